@@ -1,0 +1,23 @@
+# Two entry points, each self-bootstrapping: `make run` (the default tiny GLM-5 run on CPU) and
+# `make test`. The venv is (re)built when pyproject.toml changes.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed-$(shell sha1sum pyproject.toml | cut -c1-12)
+ARGS   ?=
+
+.PHONY: run test bench
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[dev]'
+	rm -f $(VENV)/.installed-* && touch $@
+
+run: $(STAMP)
+	$(PY) -m pretrain.train $(ARGS)
+
+test: $(STAMP)
+	$(PY) -m pytest -q -p no:cacheprovider $(ARGS)
+
+bench: $(STAMP)
+	$(PY) benchmarks/throughput.py

@@ -1,0 +1,207 @@
+"""GLM-5 architecture config and its mapping onto megatron-core's ``MLATransformerConfig``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from parallel.config import ParallelConfig
+
+
+@dataclass
+class DSAConfig:
+    """DeepSeek Sparse Attention fields (the indexer and sparse attention use them)."""
+
+    mode: str = "dense"  #: dense | warmup | sparse
+    index_heads: int = 32  #: lightning-indexer heads (GLM-5: 32)
+    index_head_dim: int = 128  #: indexer head dim (GLM-5: 128)
+    index_rope_dim: int = 64  #: dims of the indexer head that get RoPE
+    topk: int = 2048  #: keys each query attends to in sparse mode (GLM-5 ``index_topk``)
+    rope_interleaved: bool = True  #: GLM-5 interleaved; DeepSeek-V3.2 not
+    kl_coeff: float = 1.0  #: weight of the indexer KL loss
+    indexer_dtype: str = "fp32"  #: fp8 | bf16 | fp32
+    query_chunk: int = 1024  #: queries scored at once (memory O(chunk * L))
+
+
+@dataclass
+class GLM5Config:
+    """The GLM-5 network. Names follow the HF ``GlmMoeDsaConfig`` where one exists.
+
+    MLA's RoPE is always the interleaved layout GLM-5 uses: megatron-core's MLA de-interleaves
+    the rope dims before rotating (HF ``rope_interleave``), so there is no switch for it.
+    """
+
+    num_layers: int = 4
+    first_k_dense: int = 1  #: leading dense-FFN layers (HF ``first_k_dense_replace``)
+    hidden_size: int = 128
+    ffn_hidden_size: int = 256  #: dense-layer SwiGLU width
+    num_attention_heads: int = 4
+    q_lora_rank: int = 64
+    kv_lora_rank: int = 32
+    qk_nope_head_dim: int = 24
+    qk_rope_head_dim: int = 8
+    v_head_dim: int = 32
+    vocab_size: int = 512
+    make_vocab_size_divisible_by: int = 128  #: padded vocab is a multiple of this * tp
+    max_position_embeddings: int = 4096
+    rope_theta: float = 1_000_000.0
+    norm_eps: float = 1e-5
+    init_std: float = 0.02
+    num_experts: Optional[int] = 8
+    moe_topk: int = 2
+    moe_ffn_hidden_size: int = 64
+    num_shared_experts: int = 1
+    moe_routed_scaling_factor: float = 2.5
+    moe_bias_update_rate: float = 1e-3  #: aux-loss-free expert-bias step
+    moe_aux_loss: str = "seq_aux_loss"  #: megatron load-balancing type: seq_aux_loss | aux_loss | none
+    moe_aux_loss_coeff: float = 1e-4
+    moe_router_groups: int = 1  #: HF ``n_group``
+    moe_router_group_topk: int = 1  #: HF ``topk_group``
+    mtp_num_steps: int = 3  #: one shared MTP module applied this many times
+    mtp_loss_scale: float = 0.3  #: total MTP loss weight (split evenly over steps)
+    layer_backend: str = "auto"  #: auto (te with CUDA + Transformer Engine, else local) | te | local
+    dsa: DSAConfig = field(default_factory=DSAConfig)
+
+    @property
+    def num_moe_layers(self) -> int:
+        return self.num_layers - self.first_k_dense if self.num_experts else 0
+
+    def padded_vocab_size(self, tp: int) -> int:
+        multiple = self.make_vocab_size_divisible_by * tp
+        return -(-self.vocab_size // multiple) * multiple
+
+
+@dataclass
+class PrecisionConfig:
+    """Numerics. fp32 is the CPU default and what the parity tests use."""
+
+    dtype: str = "fp32"  #: fp32 | bf16
+    fp8: Optional[str] = None  #: null | delayed | blockwise (Transformer Engine, GPUs only)
+
+
+class ModelConfigError(ValueError):
+    """A model or precision config that cannot be built."""
+
+
+def validate_model(cfg: GLM5Config, precision: PrecisionConfig, seq_length: int) -> None:
+    """Reject an inconsistent architecture before anything is built."""
+    p = []
+    if not 0 <= cfg.first_k_dense <= cfg.num_layers:
+        p.append(f"model.first_k_dense={cfg.first_k_dense} must be in [0, model.num_layers={cfg.num_layers}]")
+    if cfg.num_experts is not None:
+        if not 1 <= cfg.moe_topk <= cfg.num_experts:
+            p.append(f"model.moe_topk={cfg.moe_topk} must be in [1, model.num_experts={cfg.num_experts}]")
+        if cfg.num_experts % cfg.moe_router_groups:
+            p.append(
+                f"model.num_experts={cfg.num_experts} is not divisible by "
+                f"model.moe_router_groups={cfg.moe_router_groups}"
+            )
+    if cfg.moe_aux_loss not in ("seq_aux_loss", "aux_loss", "none"):
+        p.append(f"model.moe_aux_loss={cfg.moe_aux_loss!r} must be seq_aux_loss, aux_loss or none")
+    if cfg.mtp_num_steps < 0:
+        p.append(f"model.mtp_num_steps={cfg.mtp_num_steps} must be >= 0")
+    if seq_length > cfg.max_position_embeddings:
+        p.append(
+            f"sequence length {seq_length} exceeds model.max_position_embeddings="
+            f"{cfg.max_position_embeddings}"
+        )
+    if cfg.qk_rope_head_dim % 2:
+        p.append(f"model.qk_rope_head_dim={cfg.qk_rope_head_dim} must be even")
+    if cfg.dsa.mode not in ("dense", "warmup", "sparse"):
+        p.append(f"model.dsa.mode={cfg.dsa.mode!r} must be dense, warmup or sparse")
+    if cfg.dsa.indexer_dtype not in ("fp8", "bf16", "fp32"):
+        p.append(f"model.dsa.indexer_dtype={cfg.dsa.indexer_dtype!r} must be fp8, bf16 or fp32")
+    if precision.dtype not in ("fp32", "bf16"):
+        p.append(f"precision.dtype={precision.dtype!r} must be fp32 or bf16")
+    if precision.fp8 not in (None, "delayed", "blockwise"):
+        p.append(f"precision.fp8={precision.fp8!r} must be null, delayed or blockwise")
+    if precision.fp8 is not None and not torch.cuda.is_available():
+        p.append(f"precision.fp8={precision.fp8} needs CUDA and Transformer Engine (none here)")
+    if precision.fp8 is not None and precision.dtype != "bf16":
+        p.append(f"precision.fp8={precision.fp8} needs precision.dtype=bf16, got {precision.dtype}")
+    if p:
+        raise ModelConfigError("invalid model config:\n  - " + "\n  - ".join(p))
+
+
+def to_transformer_config(cfg: GLM5Config, par: ParallelConfig, precision: PrecisionConfig):
+    """Build megatron's ``MLATransformerConfig`` for this model, layout and precision."""
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+    on_cpu = not torch.cuda.is_available()
+    dtype = torch.bfloat16 if precision.dtype == "bf16" else torch.float32
+    moe = {}
+    if cfg.num_experts:
+        moe = dict(
+            num_moe_experts=cfg.num_experts,
+            moe_layer_freq=[0] * cfg.first_k_dense + [1] * (cfg.num_layers - cfg.first_k_dense),
+            moe_ffn_hidden_size=cfg.moe_ffn_hidden_size,
+            moe_router_topk=cfg.moe_topk,
+            moe_shared_expert_intermediate_size=(
+                cfg.num_shared_experts * cfg.moe_ffn_hidden_size if cfg.num_shared_experts else None
+            ),
+            moe_router_score_function="sigmoid",
+            moe_router_enable_expert_bias=True,
+            moe_router_bias_update_rate=cfg.moe_bias_update_rate,
+            moe_router_topk_scaling_factor=cfg.moe_routed_scaling_factor,
+            moe_router_num_groups=cfg.moe_router_groups if cfg.moe_router_groups > 1 else None,
+            moe_router_group_topk=cfg.moe_router_group_topk if cfg.moe_router_groups > 1 else None,
+            moe_router_load_balancing_type=cfg.moe_aux_loss,
+            moe_aux_loss_coeff=cfg.moe_aux_loss_coeff if cfg.moe_aux_loss != "none" else 0.0,
+            moe_router_dtype="fp32",
+            moe_token_dispatcher_type="alltoall",
+            moe_grouped_gemm=not on_cpu,
+        )
+    fp8 = {}
+    if precision.fp8 == "delayed":
+        fp8 = dict(fp8="hybrid", fp8_recipe="delayed")
+    elif precision.fp8 == "blockwise":
+        fp8 = dict(fp8="e4m3", fp8_recipe="blockwise")
+    return MLATransformerConfig(
+        num_layers=cfg.num_layers,
+        hidden_size=cfg.hidden_size,
+        ffn_hidden_size=cfg.ffn_hidden_size,
+        num_attention_heads=cfg.num_attention_heads,
+        q_lora_rank=cfg.q_lora_rank,
+        kv_lora_rank=cfg.kv_lora_rank,
+        qk_head_dim=cfg.qk_nope_head_dim,
+        qk_pos_emb_head_dim=cfg.qk_rope_head_dim,
+        v_head_dim=cfg.v_head_dim,
+        rope_type="rope",
+        rotary_base=cfg.rope_theta,
+        rotary_scaling_factor=1.0,
+        apply_rope_fusion=False,
+        normalization="RMSNorm",
+        layernorm_epsilon=cfg.norm_eps,
+        qk_layernorm=True,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        init_method_std=cfg.init_std,
+        mtp_num_layers=cfg.mtp_num_steps or None,
+        mtp_loss_scaling_factor=cfg.mtp_loss_scale,
+        tensor_model_parallel_size=par.tp,
+        pipeline_model_parallel_size=par.pp,
+        virtual_pipeline_model_parallel_size=par.vpp if par.vpp and par.vpp > 1 else None,
+        context_parallel_size=par.cp,
+        expert_model_parallel_size=par.ep,
+        expert_tensor_parallel_size=par.expert_tp,
+        sequence_parallel=par.sequence_parallel,
+        num_layers_in_first_pipeline_stage=par.first_stage_layers,
+        num_layers_in_last_pipeline_stage=par.last_stage_layers,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=precision.dtype == "bf16",
+        use_cpu_initialization=on_cpu,
+        **moe,
+        **fp8,
+    )

@@ -1,0 +1,42 @@
+"""GLM-5's multi-token prediction: ONE MTP module applied ``mtp_num_layers`` times.
+
+megatron-core 0.16.1's ``MultiTokenPredictionBlock`` builds one layer per prediction depth. GLM-5
+shares a single module (embedding, eh_proj, norms and a full decoder layer) across its 3 depths.
+This block keeps megatron's interface and output layout ([1 + depths] hidden chunks concatenated
+along the sequence dim, which ``GPTModel`` turns into per-depth MTP losses) but runs its one
+layer at every depth.
+"""
+
+from __future__ import annotations
+
+import torch
+from megatron.core.transformer.multi_token_prediction import MultiTokenPredictionBlock
+
+
+class SharedMultiTokenPredictionBlock(MultiTokenPredictionBlock):
+    def forward(self, input_ids, position_ids, hidden_states, attention_mask, context=None,
+                context_mask=None, rotary_pos_emb=None, rotary_pos_cos=None,
+                rotary_pos_sin=None, attention_bias=None, inference_params=None,
+                packed_seq_params=None, sequence_len_offset=None, extra_block_kwargs=None,
+                embedding=None):
+        assert len(self.layers) == 1, "the shared MTP block holds exactly one layer"
+        layer = self.layers[0]
+        outputs = [hidden_states]
+        for _ in range(self.config.mtp_num_layers):
+            hidden_states, input_ids, position_ids = layer(
+                input_ids=input_ids,
+                position_ids=position_ids,
+                hidden_states=hidden_states,
+                attention_mask=attention_mask,
+                inference_params=inference_params,
+                rotary_pos_emb=rotary_pos_emb,
+                rotary_pos_cos=rotary_pos_cos,
+                rotary_pos_sin=rotary_pos_sin,
+                packed_seq_params=packed_seq_params,
+                sequence_len_offset=sequence_len_offset,
+                embedding=embedding,
+                **(extra_block_kwargs or {}),
+            )
+            outputs.append(hidden_states)
+        return torch.cat(outputs, dim=0)
+

@@ -1,0 +1,49 @@
+"""Builds this rank's GLM-5 model chunks (one per virtual pipeline stage) on megatron-core."""
+
+from __future__ import annotations
+
+from megatron.core import parallel_state
+from megatron.core.models.gpt import GPTModel
+
+from model_providers.glm5.config import GLM5Config
+from model_providers.glm5.mtp import SharedMultiTokenPredictionBlock
+from model_providers.glm5.specs import decoder_block_spec, mtp_block_spec
+
+
+class GLM5Model(GPTModel):
+    """megatron's GPTModel with GLM-5's shared MTP block.
+
+    GPTModel constructs its MTP block itself; the block spec given here has one layer, and the
+    block is switched to :class:`SharedMultiTokenPredictionBlock` (same state, a forward that
+    applies that layer at every depth) so the parameters exist once.
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        if self.mtp_process:
+            self.mtp.__class__ = SharedMultiTokenPredictionBlock
+
+
+def build_model_chunks(cfg: GLM5Config, tcfg, backend: str) -> list[GLM5Model]:
+    """Model chunks of this rank in virtual-stage order; each knows whether it embeds
+    (first stage), computes the loss (last stage) and holds the MTP module."""
+    vpp = tcfg.virtual_pipeline_model_parallel_size or 1
+    chunks = []
+    for vp_stage in range(vpp):
+        stage = vp_stage if vpp > 1 else None
+        chunks.append(
+            GLM5Model(
+                config=tcfg,
+                transformer_layer_spec=decoder_block_spec(tcfg, backend, vp_stage=stage),
+                vocab_size=cfg.padded_vocab_size(tcfg.tensor_model_parallel_size),
+                max_sequence_length=cfg.max_position_embeddings,
+                pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
+                post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
+                share_embeddings_and_output_weights=False,
+                position_embedding_type="rope",
+                rotary_base=int(cfg.rope_theta),
+                mtp_block_spec=mtp_block_spec(tcfg, backend, vp_stage=stage),
+                vp_stage=stage,
+            )
+        )
+    return chunks

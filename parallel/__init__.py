@@ -1,0 +1,1 @@
+"""How ranks cooperate: layout config + validation, process-group init, CPU emulation."""

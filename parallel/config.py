@@ -1,0 +1,189 @@
+"""Typed parallel layout and its validation.
+
+The layout is checked against the model and the world size before any process group, model or
+data exists, so a bad launch fails in a second with a message naming the fields and values.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+
+class ParallelConfigError(ValueError):
+    """A parallel layout that cannot work for this model or world size."""
+
+
+@dataclass
+class ParallelConfig:
+    """How ranks split the work. Data parallelism is what is left: world / (tp * pp * cp)."""
+
+    tp: int = 1  #: tensor parallel size (megatron: tensor_model_parallel_size)
+    pp: int = 1  #: pipeline stages
+    vpp: Optional[int] = None  #: virtual stages (model chunks) per pipeline rank; None = 1
+    ep: int = 1  #: expert parallel size
+    etp: Optional[int] = None  #: expert tensor parallel size; None = same as tp
+    cp: int = 1  #: context parallel size
+    sequence_parallel: bool = False  #: shard activations along the sequence inside TP regions
+    first_stage_layers: Optional[int] = None  #: uneven pipeline: layers on the first stage
+    last_stage_layers: Optional[int] = None  #: uneven pipeline: layers on the last stage
+    distributed_optimizer: bool = False  #: shard optimizer state across data-parallel ranks
+
+    @property
+    def expert_tp(self) -> int:
+        return self.tp if self.etp is None else self.etp
+
+    @property
+    def virtual_stages(self) -> int:
+        return self.vpp or 1
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A validated layout with its derived sizes."""
+
+    world_size: int
+    dp: int
+    expert_dp: int
+    layers_per_stage: tuple  #: decoder layers on each (pp rank, virtual stage), in model order
+
+
+def _fail(problems: list[str]) -> None:
+    if problems:
+        raise ParallelConfigError("invalid parallel layout:\n  - " + "\n  - ".join(problems))
+
+
+def stage_layer_counts(num_layers: int, par: ParallelConfig) -> list[int]:
+    """Decoder layers per model chunk in model order (pp ranks x virtual stages), as
+    megatron-core assigns them (uneven first/last stages, the rest split evenly)."""
+    stages = par.pp * par.virtual_stages
+    first = par.first_stage_layers
+    last = par.last_stage_layers
+    middle_layers = num_layers - (first or 0) - (last or 0)
+    middle_stages = par.pp - (first is not None) - (last is not None)
+    per_rank = middle_layers // middle_stages if middle_stages else 0
+    ranks = []
+    for r in range(par.pp):
+        if r == 0 and first is not None:
+            ranks.append(first)
+        elif r == par.pp - 1 and last is not None:
+            ranks.append(last)
+        else:
+            ranks.append(per_rank)
+    v = par.virtual_stages
+    chunks = [[n // v] * v for n in ranks]
+    return [chunks[r][s] for s in range(v) for r in range(par.pp)] if stages else []
+
+
+def validate(
+    par: ParallelConfig,
+    *,
+    world_size: int,
+    num_layers: int,
+    num_attention_heads: int,
+    num_experts: Optional[int],
+    seq_length: int,
+    micro_batch_size: int,
+    global_batch_size: int,
+) -> Layout:
+    """Check ``par`` against the model and world; return the derived layout or raise
+    :class:`ParallelConfigError` listing every problem found."""
+    p: list[str] = []
+    for name in ("tp", "pp", "ep", "cp"):
+        if getattr(par, name) < 1:
+            p.append(f"parallel.{name}={getattr(par, name)} must be >= 1")
+    if par.vpp is not None and par.vpp < 1:
+        p.append(f"parallel.vpp={par.vpp} must be >= 1 or null")
+    if par.etp is not None and par.etp < 1:
+        p.append(f"parallel.etp={par.etp} must be >= 1 or null")
+    _fail(p)
+
+    model_parallel = par.tp * par.pp * par.cp
+    if world_size % model_parallel:
+        p.append(
+            f"world size {world_size} is not divisible by parallel.tp*pp*cp = "
+            f"{par.tp}*{par.pp}*{par.cp} = {model_parallel}"
+        )
+    expert_parallel = par.ep * par.expert_tp * par.pp
+    if world_size % expert_parallel:
+        p.append(
+            f"world size {world_size} is not divisible by parallel.ep*etp*pp = "
+            f"{par.ep}*{par.expert_tp}*{par.pp} = {expert_parallel}"
+        )
+    if num_attention_heads % par.tp:
+        p.append(f"model.num_attention_heads={num_attention_heads} is not divisible by parallel.tp={par.tp}")
+    if num_experts is None:
+        if par.ep > 1:
+            p.append(f"parallel.ep={par.ep} needs a MoE model (model.num_experts is unset)")
+    elif num_experts % par.ep:
+        p.append(f"model.num_experts={num_experts} is not divisible by parallel.ep={par.ep}")
+    if par.sequence_parallel and par.tp == 1:
+        p.append("parallel.sequence_parallel=true needs parallel.tp > 1")
+    if num_experts is not None and par.tp > 1 and not par.sequence_parallel:
+        p.append(
+            f"a MoE model with parallel.tp={par.tp} needs parallel.sequence_parallel=true "
+            "(megatron-core's MoE layer refuses to train without it)"
+        )
+    if par.sequence_parallel and seq_length % par.tp:
+        p.append(f"seq_length={seq_length} is not divisible by parallel.tp={par.tp} (sequence parallel)")
+    if par.cp > 1 and seq_length % (2 * par.cp):
+        p.append(f"seq_length={seq_length} is not divisible by 2*parallel.cp={2 * par.cp}")
+    if par.vpp is not None and par.vpp > 1 and par.pp == 1:
+        p.append(f"parallel.vpp={par.vpp} needs parallel.pp > 1")
+    for name in ("first_stage_layers", "last_stage_layers"):
+        val = getattr(par, name)
+        if val is not None and (par.pp == 1 or val < 1):
+            p.append(f"parallel.{name}={val} needs parallel.pp > 1 and a value >= 1")
+    _fail(p)
+
+    uneven = (par.first_stage_layers or 0) + (par.last_stage_layers or 0)
+    middle_stages = par.pp - (par.first_stage_layers is not None) - (par.last_stage_layers is not None)
+    middle_layers = num_layers - uneven
+    if middle_layers < 0 or (middle_stages == 0 and middle_layers != 0):
+        p.append(
+            f"parallel.first_stage_layers={par.first_stage_layers} + last_stage_layers="
+            f"{par.last_stage_layers} do not add up to model.num_layers={num_layers} over pp={par.pp}"
+        )
+    elif middle_stages and middle_layers % middle_stages:
+        p.append(
+            f"model.num_layers={num_layers} (minus uneven first/last stages: {uneven}) is not "
+            f"divisible by the remaining {middle_stages} pipeline stages (parallel.pp={par.pp})"
+        )
+    else:
+        counts = stage_layer_counts(num_layers, par)
+        per_rank = [sum(counts[s * par.pp + r] for s in range(par.virtual_stages)) for r in range(par.pp)]
+        for r, n in enumerate(per_rank):
+            if n % par.virtual_stages:
+                p.append(
+                    f"pipeline rank {r} holds {n} layers, not divisible by parallel.vpp={par.vpp}"
+                )
+            elif n // par.virtual_stages < 1:
+                p.append(
+                    f"pipeline rank {r} would hold {n} layers for parallel.vpp={par.vpp}: every "
+                    "model chunk needs at least one layer"
+                )
+    _fail(p)
+
+    dp = world_size // model_parallel
+    if micro_batch_size < 1 or global_batch_size < 1:
+        p.append(
+            f"trainer.micro_batch_size={micro_batch_size} and trainer.global_batch_size="
+            f"{global_batch_size} must be >= 1"
+        )
+    elif global_batch_size % (micro_batch_size * dp):
+        p.append(
+            f"trainer.global_batch_size={global_batch_size} is not divisible by "
+            f"trainer.micro_batch_size*dp = {micro_batch_size}*{dp}"
+        )
+    elif par.vpp and par.vpp > 1 and (global_batch_size // (micro_batch_size * dp)) % par.pp:
+        p.append(
+            f"interleaved pipeline: micro-batches per step "
+            f"({global_batch_size // (micro_batch_size * dp)}) must be a multiple of parallel.pp={par.pp}"
+        )
+    _fail(p)
+    return Layout(
+        world_size=world_size,
+        dp=dp,
+        expert_dp=world_size // expert_parallel,
+        layers_per_stage=tuple(stage_layer_counts(num_layers, par)),
+    )

@@ -1,0 +1,189 @@
+"""Run megatron-core 0.16.1's real parallel code on CPU ranks (gloo).
+
+megatron-core assumes CUDA everywhere. Everything that makes it run without CUDA lives here, one
+patch per behaviour (see ../shared/MEGATRON_ON_CPU.md), and is installed only when CUDA is
+absent. Each patch has its own test in ``tests/unit/test_cpu_emulation.py`` so a megatron-core
+upgrade shows exactly which one broke.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import torch
+import torch.distributed as dist
+from torch.overrides import TorchFunctionMode
+
+_CPU = torch.device("cpu")
+_INSTALLED = False
+_MODE: "CudaDeviceToCpuMode | None" = None
+
+#: The emulated CUDA generator. megatron's RNG tracker seeds and swaps its state; it is a real
+#: generator so ``torch.cuda.manual_seed`` really seeds it (a no-op would give the tracker
+#: identical streams for every name).
+cuda_generator = torch.Generator(device="cpu")
+
+
+def _cpu_device(device):
+    """Map a CUDA device spec (``"cuda"``, ``"cuda:1"``, ``torch.device("cuda")``, a bare ordinal)
+    to the CPU; leave anything else alone."""
+    if isinstance(device, torch.device):
+        return _CPU if device.type == "cuda" else device
+    if isinstance(device, str):
+        return "cpu" if device.startswith("cuda") else device
+    if isinstance(device, int) and not isinstance(device, bool):
+        return _CPU
+    return device
+
+
+class CudaDeviceToCpuMode(TorchFunctionMode):
+    """Rewrites CUDA devices to CPU in every torch call, makes ``.cuda()`` and ``pin_memory()``
+    no-ops and reports CPU float tensors with CUDA type names (megatron asserts on them)."""
+
+    _TYPE_NAMES = {
+        "torch.FloatTensor": "torch.cuda.FloatTensor",
+        "torch.HalfTensor": "torch.cuda.HalfTensor",
+        "torch.BFloat16Tensor": "torch.cuda.BFloat16Tensor",
+    }
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.cuda or func is torch.Tensor.pin_memory:
+            return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            name = func(*args)
+            return self._TYPE_NAMES.get(name, name)
+        if "device" in kwargs:
+            kwargs = dict(kwargs, device=_cpu_device(kwargs["device"]))
+        if func is torch.Tensor.to and len(args) > 1:
+            args = (args[0], _cpu_device(args[1]), *args[2:])
+        if "pin_memory" in kwargs:
+            kwargs = dict(kwargs, pin_memory=False)
+        return func(*args, **kwargs)
+
+
+class _NullStream:
+    """Stand-in for ``torch.cuda.Stream`` / ``Event``: CPU work is already ordered."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def __getattr__(self, name):
+        return lambda *args, **kwargs: None
+
+    def record_event(self, *args, **kwargs):
+        return _NullStream()
+
+    def query(self):
+        return True
+
+
+def _all_to_all_single_with_list_splits(original):
+    """gloo's binding wants split sizes as lists; megatron's MoE dispatcher passes tensors."""
+
+    @functools.wraps(original)
+    def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None, *a, **k):
+        if isinstance(output_split_sizes, torch.Tensor):
+            output_split_sizes = output_split_sizes.tolist()
+        if isinstance(input_split_sizes, torch.Tensor):
+            input_split_sizes = input_split_sizes.tolist()
+        return original(output, input, output_split_sizes, input_split_sizes, *a, **k)
+
+    return all_to_all_single
+
+
+def _patch_cuda_runtime() -> None:
+    cuda = torch.cuda
+    cuda.current_device = lambda: _CPU
+    cuda.set_device = lambda *a, **k: None
+    cuda.synchronize = lambda *a, **k: None
+    cuda.empty_cache = lambda *a, **k: None
+    cuda.Stream = _NullStream
+    cuda.Event = _NullStream
+    cuda.current_stream = lambda *a, **k: _NullStream()
+    cuda.default_stream = lambda *a, **k: _NullStream()
+    cuda.stream = lambda *a, **k: contextlib.nullcontext()
+    cuda.memory_allocated = lambda *a, **k: 0
+    cuda.max_memory_allocated = lambda *a, **k: 0
+    cuda.memory_reserved = lambda *a, **k: 0
+    cuda.reset_peak_memory_stats = lambda *a, **k: None
+
+
+def _patch_cuda_rng() -> None:
+    """The CUDA RNG gets its own generator; megatron's tracker state get/set go through it."""
+    from megatron.core.tensor_parallel import random as mrandom
+
+    def get_rng_state(device="cuda", *args, **kwargs):
+        return cuda_generator.get_state()
+
+    def set_rng_state(new_state, device=-1, *args, **kwargs):
+        cuda_generator.set_state(new_state)
+
+    def manual_seed(seed):
+        cuda_generator.manual_seed(int(seed))
+
+    torch.cuda.get_rng_state = get_rng_state
+    torch.cuda.random.get_rng_state = get_rng_state
+    torch.cuda.set_rng_state = set_rng_state
+    torch.cuda.random.set_rng_state = set_rng_state
+    torch.cuda.manual_seed = manual_seed
+    torch.cuda.manual_seed_all = manual_seed
+    torch.cuda.random.manual_seed = manual_seed
+    mrandom._get_cuda_rng_state = lambda device="cuda", clone=False, graph_safe=False: (
+        cuda_generator.get_state()
+    )
+    mrandom._set_cuda_rng_state = lambda new_state, device=-1, graph_safe=False: (
+        cuda_generator.set_state(new_state)
+    )
+
+
+def _patch_megatron_te_probes() -> None:
+    """Two megatron modules believe Transformer Engine is present (or half-present) without it."""
+    from megatron.core.transformer import multi_latent_attention
+    from megatron.core.transformer.moe import moe_utils
+
+    if not isinstance(multi_latent_attention.TELinear, type):  # None or a MagicMock stand-in
+        multi_latent_attention.HAVE_TE = False
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
+def install() -> bool:
+    """Install every patch once, when CUDA is unavailable. Returns whether emulation is active."""
+    global _INSTALLED, _MODE
+    if torch.cuda.is_available():
+        return False
+    if _INSTALLED:
+        return True
+    _patch_cuda_runtime()
+    _patch_cuda_rng()
+    _patch_megatron_te_probes()
+    dist.all_to_all_single = _all_to_all_single_with_list_splits(dist.all_to_all_single)
+    _MODE = CudaDeviceToCpuMode()
+    _MODE.__enter__()
+    _INSTALLED = True
+    return True
+
+
+def is_active() -> bool:
+    return _INSTALLED
+
+
+@contextlib.contextmanager
+def device_mode_suspended():
+    """Run a block without the device-rewriting mode (used to measure its overhead)."""
+    if _MODE is None:
+        yield
+        return
+    _MODE.__exit__(None, None, None)
+    try:
+        yield
+    finally:
+        _MODE.__enter__()

@@ -1,0 +1,130 @@
+"""Start torch.distributed and megatron-core's process groups from torchrun or Slurm variables."""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import socket
+import subprocess
+from dataclasses import dataclass
+from datetime import timedelta
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from parallel import cpu_emulation
+from parallel.config import ParallelConfig
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    rank: int
+    world_size: int
+    local_rank: int
+    master_addr: str
+    master_port: int
+    launcher: str  #: "torchrun", "slurm" or "single"
+
+
+def first_slurm_host(nodelist: str) -> str:
+    """First host of a Slurm node list (``node[003-010,012],other`` -> ``node003``); uses
+    ``scontrol show hostnames`` when available, else parses the common bracket form."""
+    try:
+        out = subprocess.run(
+            ["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, timeout=10
+        )
+        if out.returncode == 0 and out.stdout.split():
+            return out.stdout.split()[0]
+    except (OSError, subprocess.TimeoutExpired):
+        pass
+    m = re.match(r"([^,\[]+)(\[([^\]]+)\])?", nodelist)
+    if not m:
+        raise ValueError(f"cannot parse SLURM node list {nodelist!r}")
+    prefix, _, ranges = m.groups()
+    if ranges is None:
+        return prefix
+    first = ranges.split(",")[0].split("-")[0]
+    return prefix + first
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def dist_env(environ=None) -> DistEnv:
+    """Rank layout of this process: torchrun variables win, then Slurm's, else one process."""
+    env = os.environ if environ is None else environ
+    if "RANK" in env and "WORLD_SIZE" in env:
+        return DistEnv(
+            rank=int(env["RANK"]),
+            world_size=int(env["WORLD_SIZE"]),
+            local_rank=int(env.get("LOCAL_RANK", 0)),
+            master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
+            master_port=int(env.get("MASTER_PORT", 29500)),
+            launcher="torchrun",
+        )
+    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+        nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST", "127.0.0.1")
+        job_id = int(env.get("SLURM_JOB_ID", "0"))
+        return DistEnv(
+            rank=int(env["SLURM_PROCID"]),
+            world_size=int(env["SLURM_NTASKS"]),
+            local_rank=int(env.get("SLURM_LOCALID", 0)),
+            master_addr=env.get("MASTER_ADDR") or first_slurm_host(nodelist),
+            master_port=int(env.get("MASTER_PORT") or 20000 + job_id % 20000),
+            launcher="slurm",
+        )
+    return DistEnv(0, 1, 0, "127.0.0.1", int(env.get("MASTER_PORT") or _free_port()), "single")
+
+
+def set_seeds(seed: int) -> None:
+    """Seed python, numpy and torch identically on every rank (as megatron's own init does)."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def start_process_group(env: DistEnv, timeout_s: int = 600) -> str:
+    """init_process_group with NCCL when CUDA is present, gloo otherwise. Returns the backend."""
+    if dist.is_initialized():
+        return dist.get_backend()
+    use_cuda = torch.cuda.is_available()
+    if use_cuda:
+        torch.cuda.set_device(env.local_rank % torch.cuda.device_count())
+    else:
+        cpu_emulation.install()
+    backend = "nccl" if use_cuda else "gloo"
+    dist.init_process_group(
+        backend=backend,
+        init_method=f"tcp://{env.master_addr}:{env.master_port}",
+        rank=env.rank,
+        world_size=env.world_size,
+        timeout=timedelta(seconds=timeout_s),
+    )
+    return backend
+
+
+def initialize(par: ParallelConfig, seed: int, env: DistEnv | None = None) -> DistEnv:
+    """Process group + megatron model-parallel groups + seeds (incl. the model-parallel RNG
+    tracker). Idempotent for the process group; rebuilds megatron's groups."""
+    from megatron.core import parallel_state, tensor_parallel
+
+    env = env or dist_env()
+    start_process_group(env)
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=par.tp,
+        pipeline_model_parallel_size=par.pp,
+        virtual_pipeline_model_parallel_size=par.vpp if par.vpp and par.vpp > 1 else None,
+        context_parallel_size=par.cp,
+        expert_model_parallel_size=par.ep,
+        expert_tensor_parallel_size=par.etp,
+    )
+    set_seeds(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    return env

@@ -1,0 +1,1 @@
+"""The run: Hydra entry point, training loop, optimizer, checkpoints, metrics."""

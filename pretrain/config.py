@@ -1,0 +1,96 @@
+"""The typed, strict run config. Each group's schema lives with the code that uses it; this file
+assembles them and registers the whole in Hydra's ConfigStore so unknown keys are errors."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import OmegaConf
+
+from data_pipeline.text_stream import DataConfig
+from model_providers.glm5.config import GLM5Config, PrecisionConfig
+from parallel.config import ParallelConfig
+
+
+@dataclass
+class OptimizerConfig:
+    name: str = "adam"  #: adam (megatron's; AdamW-style decoupled weight decay)
+    lr: float = 3e-3  #: peak learning rate
+    min_lr: float = 3e-4
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    clip_grad: float = 1.0
+
+
+@dataclass
+class SchedulerConfig:
+    style: str = "cosine"  #: cosine | wsd | linear | constant (megatron OptimizerParamScheduler)
+    warmup_steps: int = 10
+    decay_steps: Optional[int] = None  #: null = trainer.steps
+    wsd_decay_steps: Optional[int] = None  #: WSD: length of the final decay; null = 20% of steps
+    wsd_decay_style: str = "linear"  #: WSD decay shape: linear | cosine | exponential | minus_sqrt
+
+
+@dataclass
+class WandbConfig:
+    mode: str = "offline"  #: online | offline | disabled
+    project: str = "glm5-pretrain"
+    entity: Optional[str] = None
+    name: Optional[str] = None  #: null = trainer.name
+    group: Optional[str] = None
+    tags: List[str] = field(default_factory=list)
+
+
+@dataclass
+class LoggerConfig:
+    log_every: int = 1  #: console line every N steps (metrics.jsonl gets every step)
+    progress_bar: bool = True
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+
+
+@dataclass
+class CheckpointConfig:
+    save_every: int = 0  #: 0 = only at the end
+    save_at_end: bool = True
+    keep_last: int = 2  #: retain this many iteration folders (0 = all)
+    init_from: Optional[str] = None  #: start weights from this checkpoint (step 0, fresh optimizer)
+    resume: bool = True  #: pick up <run_dir>/checkpoints/latest when present
+
+
+@dataclass
+class TrainerConfig:
+    name: str = "glm5-tiny"  #: experiment name; the run dir is runs/<name> unless run_dir is set
+    run_dir: str = "runs/${trainer.name}"
+    steps: int = 60
+    seq_length: int = 128
+    micro_batch_size: int = 4
+    global_batch_size: int = 16
+    seed: int = 1234
+
+
+@dataclass
+class RunConfig:
+    model: GLM5Config = field(default_factory=GLM5Config)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+
+
+def register() -> None:
+    ConfigStore.instance().store(name="run_schema", node=RunConfig)
+
+
+def to_run_config(cfg) -> RunConfig:
+    """Resolved OmegaConf -> plain dataclasses (checked against the schema once more)."""
+    merged = OmegaConf.merge(OmegaConf.structured(RunConfig), cfg)
+    OmegaConf.resolve(merged)
+    return OmegaConf.to_object(merged)

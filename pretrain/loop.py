@@ -1,0 +1,140 @@
+"""Training steps through megatron-core's forward-backward schedules, DDP and optimizer."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from functools import partial
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.distributed import finalize_model_grads
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.transformer.moe import moe_utils
+from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+from data_pipeline.batches import micro_batches
+
+
+def lm_loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
+    """Token-summed LM loss; megatron's schedule divides by tokens and micro-batches."""
+    losses = output_tensor.float()
+    mask = loss_mask.float()
+    loss_sum = torch.sum(losses * mask)
+    num_tokens = mask.sum().to(torch.int)
+    return loss_sum, num_tokens, {"lm": torch.stack([loss_sum.detach(), mask.sum()])}
+
+
+def forward_step(data_iterator, model):
+    batch = next(data_iterator)
+    output = model(
+        batch["tokens"],
+        batch["position_ids"],
+        None,
+        labels=batch["labels"],
+        loss_mask=batch["loss_mask"],
+    )
+    return output, partial(lm_loss_func, batch["loss_mask"])
+
+
+@dataclass
+class StepStats:
+    lm_loss: float
+    mtp_losses: list
+    moe_aux_loss: float  #: unscaled balance loss summed over MoE layer applications
+    grad_norm: float
+    moe_load_imbalance: float
+    skipped: bool
+    seconds: float
+    extra: dict = field(default_factory=dict)
+
+
+class LoadImbalanceProbe:
+    """Wraps megatron's ``finalize_model_grads`` to read each router's per-expert token counts
+    before they are consumed by the aux-loss-free expert-bias update."""
+
+    def __init__(self, model_chunks):
+        self.routers = [m for c in model_chunks for m in c.modules() if hasattr(m, "expert_bias")
+                        and getattr(m, "local_tokens_per_expert", None) is not None]
+        self.value = 1.0
+
+    def __call__(self, *args, **kwargs):
+        worst = 1.0
+        for r in self.routers:
+            counts = r.local_tokens_per_expert.float()
+            if counts.sum() > 0:
+                worst = max(worst, float(counts.max() / counts.mean()))
+        self.value = worst
+        return finalize_model_grads(*args, **kwargs)
+
+
+def configure_model_hooks(tcfg, ddp_chunks, optimizer) -> LoadImbalanceProbe:
+    """The hooks megatron's schedules call: DDP no-sync, grad finalisation, loss scaling."""
+    probe = LoadImbalanceProbe([c.module for c in ddp_chunks])
+    tcfg.no_sync_func = [c.no_sync for c in ddp_chunks]
+    if len(ddp_chunks) == 1:
+        tcfg.no_sync_func = tcfg.no_sync_func[0]
+    tcfg.finalize_model_grads_func = probe
+    tcfg.grad_scale_func = optimizer.scale_loss
+    return probe
+
+
+def _reporting_rank() -> bool:
+    """Last pipeline stage, TP rank 0: holds this DP replica's losses once."""
+    return (parallel_state.is_pipeline_last_stage(ignore_virtual=True)
+            and parallel_state.get_tensor_model_parallel_rank() == 0)
+
+
+def train_step(ddp_chunks, optimizer, scheduler, dataset, consumed_samples: int, trainer_cfg,
+               probe: LoadImbalanceProbe, mtp_steps: int) -> StepStats:
+    t0 = time.perf_counter()
+    dp_rank = parallel_state.get_data_parallel_rank()
+    dp_size = parallel_state.get_data_parallel_world_size()
+    batches = list(micro_batches(dataset, consumed_samples, trainer_cfg.global_batch_size,
+                                 trainer_cfg.micro_batch_size, dp_rank, dp_size))
+    iters = [iter(batches) for _ in ddp_chunks]
+    for c in ddp_chunks:
+        c.zero_grad_buffer()
+    optimizer.zero_grad()
+    losses = get_forward_backward_func()(
+        forward_step_func=forward_step,
+        data_iterator=iters if len(iters) > 1 else iters[0],
+        model=ddp_chunks,
+        num_microbatches=len(batches),
+        seq_length=trainer_cfg.seq_length,
+        micro_batch_size=trainer_cfg.micro_batch_size,
+        forward_only=False,
+    )
+    ok, grad_norm, _ = optimizer.step()
+    if ok:
+        scheduler.step(increment=1)
+
+    report = torch.zeros(2 + mtp_steps, dtype=torch.float64)
+    if _reporting_rank():
+        for out in losses:
+            report[:2] += out["lm"].double()
+        values = MTPLossLoggingHelper.tracker.get("values")
+        if values is not None and mtp_steps:
+            report[2:] = values.double() / (len(batches) * dp_size)
+    dist.all_reduce(report)
+    if MTPLossLoggingHelper.tracker.get("values") is not None:
+        MTPLossLoggingHelper.clean_loss_in_tracker()
+
+    aux = 0.0
+    tracker = moe_utils.get_moe_layer_wise_logging_tracker()
+    if tracker:
+        moe_utils.reduce_aux_losses_tracker_across_ranks()
+        aux = sum(float(v["values"].sum()) for v in tracker.values()) / len(batches)
+        moe_utils.clear_aux_losses_tracker()
+    imbalance = torch.tensor([probe.value], dtype=torch.float64)
+    dist.all_reduce(imbalance, op=dist.ReduceOp.MAX)
+    return StepStats(
+        lm_loss=float(report[0] / report[1]),
+        mtp_losses=[float(x) for x in report[2:]],
+        moe_aux_loss=aux,
+        grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
+        moe_load_imbalance=float(imbalance),
+        skipped=not ok,
+        seconds=time.perf_counter() - t0,
+    )

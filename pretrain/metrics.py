@@ -1,0 +1,85 @@
+"""Where step metrics go: a rich progress bar, a console line every N steps, metrics.jsonl and
+W&B (online / offline / disabled). Only global rank 0 writes; the loop hands it reduced values."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Optional
+
+from pretrain.config import LoggerConfig
+
+
+class MetricsSink:
+    def __init__(self, cfg: LoggerConfig, run_dir: str, total_steps: int, start_step: int,
+                 run_name: str, config_dict: dict, wandb_run_id: Optional[str], rank: int):
+        self.cfg = cfg
+        self.active = rank == 0
+        self.wandb_run = None
+        self.progress = None
+        self.wandb_run_id = wandb_run_id
+        if not self.active:
+            return
+        self.jsonl = open(os.path.join(run_dir, "metrics.jsonl"), "a")
+        if cfg.wandb.mode != "disabled":
+            self.wandb_run = _start_wandb(cfg, run_dir, run_name, config_dict, wandb_run_id)
+            self.wandb_run_id = self.wandb_run.id
+        if cfg.progress_bar:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+            self.progress = Progress(
+                TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
+                TextColumn("{task.fields[status]}"), TimeRemainingColumn(), transient=True,
+            )
+            self.task = self.progress.add_task("train", total=total_steps, completed=start_step, status="")
+            self.progress.start()
+
+    def log(self, record: dict) -> None:
+        if not self.active:
+            return
+        self.jsonl.write(json.dumps(record) + "\n")
+        self.jsonl.flush()
+        if self.wandb_run is not None:
+            self.wandb_run.log({k: v for k, v in record.items() if isinstance(v, (int, float))},
+                               step=record["step"])
+        line = (
+            f"step {record['step']:>5} | loss {record['loss']:.4f} | lm {record['lm_loss']:.4f} | "
+            f"mtp {record.get('mtp_loss', float('nan')):.4f} | lr {record['lr']:.2e} | "
+            f"gnorm {record['grad_norm']:.3f} | {record['tokens_per_s']:.0f} tok/s"
+        )
+        if self.progress is not None:
+            self.progress.update(self.task, completed=record["step"], status=f"loss {record['loss']:.3f}")
+        if record["step"] % self.cfg.log_every == 0:
+            if self.progress is not None:
+                self.progress.console.print(line, highlight=False)
+            else:
+                print(line, flush=True)
+
+    def close(self) -> None:
+        if not self.active:
+            return
+        if self.progress is not None:
+            self.progress.stop()
+        self.jsonl.close()
+        if self.wandb_run is not None:
+            self.wandb_run.finish()
+
+
+def _start_wandb(cfg: LoggerConfig, run_dir: str, run_name: str, config_dict: dict,
+                 run_id: Optional[str]):
+    import wandb
+
+    return wandb.init(
+        mode=cfg.wandb.mode,
+        project=cfg.wandb.project,
+        entity=cfg.wandb.entity,
+        name=cfg.wandb.name or run_name,
+        group=cfg.wandb.group,
+        tags=list(cfg.wandb.tags),
+        dir=run_dir,
+        config=config_dict,
+        id=run_id,
+        resume="allow" if run_id else None,
+        settings=wandb.Settings(console="off", silent=True, x_disable_stats=True),
+    )
+
