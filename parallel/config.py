@@ -53,10 +53,8 @@ def _fail(problems: list[str]) -> None:
         raise ParallelConfigError("invalid parallel layout:\n  - " + "\n  - ".join(problems))
 
 
-def stage_layer_counts(num_layers: int, par: ParallelConfig) -> list[int]:
-    """Decoder layers per model chunk in model order (pp ranks x virtual stages), as
-    megatron-core assigns them (uneven first/last stages, the rest split evenly)."""
-    stages = par.pp * par.virtual_stages
+def _rank_layer_counts(num_layers: int, par: ParallelConfig) -> list[int]:
+    """Decoder layers per pipeline rank (all its virtual stages together)."""
     first = par.first_stage_layers
     last = par.last_stage_layers
     middle_layers = num_layers - (first or 0) - (last or 0)
@@ -70,9 +68,15 @@ def stage_layer_counts(num_layers: int, par: ParallelConfig) -> list[int]:
             ranks.append(last)
         else:
             ranks.append(per_rank)
+    return ranks
+
+
+def stage_layer_counts(num_layers: int, par: ParallelConfig) -> list[int]:
+    """Decoder layers per model chunk in model order (pp ranks x virtual stages), as
+    megatron-core assigns them (uneven first/last stages, the rest split evenly)."""
     v = par.virtual_stages
-    chunks = [[n // v] * v for n in ranks]
-    return [chunks[r][s] for s in range(v) for r in range(par.pp)] if stages else []
+    chunks = [[n // v] * v for n in _rank_layer_counts(num_layers, par)]
+    return [chunks[r][s] for s in range(v) for r in range(par.pp)]
 
 
 def validate(
@@ -89,6 +93,8 @@ def validate(
     """Check ``par`` against the model and world; return the derived layout or raise
     :class:`ParallelConfigError` listing every problem found."""
     p: list[str] = []
+    if world_size < 1:
+        p.append(f"world size {world_size} must be >= 1")
     for name in ("tp", "pp", "ep", "cp"):
         if getattr(par, name) < 1:
             p.append(f"parallel.{name}={getattr(par, name)} must be >= 1")
@@ -119,10 +125,11 @@ def validate(
         p.append(f"model.num_experts={num_experts} is not divisible by parallel.ep={par.ep}")
     if par.sequence_parallel and par.tp == 1:
         p.append("parallel.sequence_parallel=true needs parallel.tp > 1")
-    if num_experts is not None and par.tp > 1 and not par.sequence_parallel:
+    if par.tp > 1 and not par.sequence_parallel:
         p.append(
-            f"a MoE model with parallel.tp={par.tp} needs parallel.sequence_parallel=true "
-            "(megatron-core's MoE layer refuses to train without it)"
+            f"parallel.tp={par.tp} needs parallel.sequence_parallel=true (megatron-core's MoE "
+            "layer refuses TP without it, and MLA's replicated down-projections and q/kv norms "
+            "reduce their gradients over the TP group only under SP)"
         )
     if par.sequence_parallel and seq_length % par.tp:
         p.append(f"seq_length={seq_length} is not divisible by parallel.tp={par.tp} (sequence parallel)")
@@ -150,9 +157,7 @@ def validate(
             f"divisible by the remaining {middle_stages} pipeline stages (parallel.pp={par.pp})"
         )
     else:
-        counts = stage_layer_counts(num_layers, par)
-        per_rank = [sum(counts[s * par.pp + r] for s in range(par.virtual_stages)) for r in range(par.pp)]
-        for r, n in enumerate(per_rank):
+        for r, n in enumerate(_rank_layer_counts(num_layers, par)):
             if n % par.virtual_stages:
                 p.append(
                     f"pipeline rank {r} holds {n} layers, not divisible by parallel.vpp={par.vpp}"

@@ -99,6 +99,35 @@ def _all_to_all_single_with_list_splits(original):
     return all_to_all_single
 
 
+def _all_gather_uneven(original):
+    """gloo's all_gather needs equal shapes; megatron's MoE dispatcher (TP x EP) gathers
+    per-rank token blocks of different lengths along dim 0, as NCCL allows. Pad to the longest
+    block, gather, and copy each rank's rows out."""
+
+    @functools.wraps(original)
+    def all_gather(tensor_list, tensor, group=None, async_op=False):
+        if all(t.shape == tensor.shape for t in tensor_list):
+            return original(tensor_list, tensor, group=group, async_op=async_op)
+        rows = max(t.shape[0] for t in tensor_list)
+        padded_in = tensor.new_zeros((rows, *tensor.shape[1:]))
+        padded_in[: tensor.shape[0]] = tensor
+        padded_out = [tensor.new_zeros((rows, *tensor.shape[1:])) for _ in tensor_list]
+        original(padded_out, padded_in, group=group)
+        for out, full in zip(tensor_list, padded_out):
+            out.copy_(full[: out.shape[0]])
+        return _CompletedWork() if async_op else None
+
+    return all_gather
+
+
+class _CompletedWork:
+    def wait(self, *args, **kwargs):
+        return True
+
+    def is_completed(self):
+        return True
+
+
 def _patch_cuda_runtime() -> None:
     cuda = torch.cuda
     cuda.current_device = lambda: _CPU
@@ -166,6 +195,7 @@ def install() -> bool:
     _patch_cuda_rng()
     _patch_megatron_te_probes()
     dist.all_to_all_single = _all_to_all_single_with_list_splits(dist.all_to_all_single)
+    dist.all_gather = _all_gather_uneven(dist.all_gather)
     _MODE = CudaDeviceToCpuMode()
     _MODE.__enter__()
     _INSTALLED = True

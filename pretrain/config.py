@@ -90,7 +90,12 @@ def register() -> None:
 
 
 def to_run_config(cfg) -> RunConfig:
-    """Resolved OmegaConf -> plain dataclasses (checked against the schema once more)."""
-    merged = OmegaConf.merge(OmegaConf.structured(RunConfig), cfg)
+    """Resolved OmegaConf -> plain dataclasses (checked against the schema once more).
+
+    ``cfg`` is merged as a plain container: Hydra's ``+group.key=value`` force-adds keys to the
+    typed nodes, and merging one typed node into another (then ``to_object``) would carry such a
+    key along silently; merging plain values into the schema rejects it by name.
+    """
+    merged = OmegaConf.merge(OmegaConf.structured(RunConfig), OmegaConf.to_container(cfg))
     OmegaConf.resolve(merged)
     return OmegaConf.to_object(merged)

@@ -24,7 +24,7 @@ def check_schedule(sched: SchedulerConfig, opt: OptimizerConfig, steps: int) -> 
     if sched.warmup_steps < 0:
         p.append(f"scheduler.warmup_steps={sched.warmup_steps} must be >= 0")
     decay = sched.decay_steps or steps
-    if sched.style != "constant" and decay <= sched.warmup_steps:
+    if sched.style != "constant" and steps > 0 and decay <= sched.warmup_steps:
         p.append(
             f"scheduler.decay_steps={decay} must exceed scheduler.warmup_steps={sched.warmup_steps}"
         )
@@ -49,7 +49,7 @@ def build_optimizer(model_chunks, opt: OptimizerConfig, precision_dtype: str, di
 
 
 def build_scheduler(optimizer, opt: OptimizerConfig, sched: SchedulerConfig, steps: int):
-    decay = sched.decay_steps or steps
+    decay = sched.decay_steps or max(steps, sched.warmup_steps + 1)
     style = sched.style
     wsd_decay = None
     if style == "wsd":

@@ -13,17 +13,19 @@ from parallel.config import ParallelConfig
 
 @dataclass
 class DSAConfig:
-    """DeepSeek Sparse Attention fields (the indexer and sparse attention use them)."""
+    """DeepSeek Sparse Attention fields (the indexer and sparse attention use them).
+
+    Defaults are the tiny model's (conf/model/glm5_tiny.yaml), like :class:`GLM5Config`'s."""
 
     mode: str = "dense"  #: dense | warmup | sparse
-    index_heads: int = 32  #: lightning-indexer heads (GLM-5: 32)
-    index_head_dim: int = 128  #: indexer head dim (GLM-5: 128)
-    index_rope_dim: int = 64  #: dims of the indexer head that get RoPE
-    topk: int = 2048  #: keys each query attends to in sparse mode (GLM-5 ``index_topk``)
+    index_heads: int = 4  #: lightning-indexer heads (GLM-5: 32)
+    index_head_dim: int = 32  #: indexer head dim (GLM-5: 128)
+    index_rope_dim: int = 16  #: dims of the indexer head that get RoPE (GLM-5: 64)
+    topk: int = 32  #: keys each query attends to in sparse mode (GLM-5 ``index_topk``: 2048)
     rope_interleaved: bool = True  #: GLM-5 interleaved; DeepSeek-V3.2 not
     kl_coeff: float = 1.0  #: weight of the indexer KL loss
     indexer_dtype: str = "fp32"  #: fp8 | bf16 | fp32
-    query_chunk: int = 1024  #: queries scored at once (memory O(chunk * L))
+    query_chunk: int = 64  #: queries scored at once (memory O(chunk * L)); GLM-5 run: 1024
 
 
 @dataclass
@@ -105,7 +107,7 @@ def validate_model(cfg: GLM5Config, precision: PrecisionConfig, seq_length: int)
         p.append(f"model.mtp_num_steps={cfg.mtp_num_steps} must be >= 0")
     if seq_length > cfg.max_position_embeddings:
         p.append(
-            f"sequence length {seq_length} exceeds model.max_position_embeddings="
+            f"trainer.seq_length={seq_length} exceeds model.max_position_embeddings="
             f"{cfg.max_position_embeddings}"
         )
     if cfg.qk_rope_head_dim % 2:

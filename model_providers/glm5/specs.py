@@ -13,6 +13,7 @@ import torch
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 from megatron.core.models.backends import LocalSpecProvider
 from megatron.core.models.gpt.gpt_layer_specs import get_mlp_module_spec_for_backend
+from megatron.core.post_training.modelopt.layers import Linear as DuplicatedLinear
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.multi_latent_attention import (
     MLASelfAttention,
@@ -78,9 +79,13 @@ def _local_layer_spec(num_experts) -> ModuleSpec:
                 params={"attn_mask_type": AttnMaskType.causal},
                 submodules=MLASelfAttentionSubmodules(
                     linear_q_proj=backend.column_parallel_linear(),
-                    linear_q_down_proj=backend.column_parallel_linear(),
+                    # Down-projections replicated across TP (as TE's "duplicated" TELinear):
+                    # with column-parallel ones, megatron's MLA loses the other ranks' share of
+                    # the k_rope gradient (it gathers k_rope along the hidden dim, whose
+                    # backward is a split, not a sum).
+                    linear_q_down_proj=DuplicatedLinear,
                     linear_q_up_proj=backend.column_parallel_linear(),
-                    linear_kv_down_proj=backend.column_parallel_linear(),
+                    linear_kv_down_proj=DuplicatedLinear,
                     linear_kv_up_proj=backend.column_parallel_linear(),
                     core_attention=MLACoreAttention,
                     linear_proj=backend.row_parallel_linear(),

@@ -1,0 +1,55 @@
+"""Launch real training runs (one process, or torchrun with gloo ranks) from tests."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+#: overrides every test run uses: no W&B, no progress bar, few steps with a short warmup
+QUIET = ["logger.wandb.mode=disabled", "logger.progress_bar=false", "scheduler.warmup_steps=1"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def train_command(overrides: list[str], nproc: int = 1) -> list[str]:
+    if nproc == 1:
+        return [sys.executable, "-m", "pretrain.train", *overrides]
+    return [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
+            f"--master-port={free_port()}", "-m", "pretrain.train", *overrides]
+
+
+def train_env(nproc: int) -> dict:
+    env = dict(os.environ)
+    env["OMP_NUM_THREADS"] = "1" if nproc > 1 else env.get("OMP_NUM_THREADS", "2")
+    env["PYTHONWARNINGS"] = "ignore"
+    env.pop("RANK", None)
+    env.pop("WORLD_SIZE", None)
+    return env
+
+
+def run_train(overrides: list[str], nproc: int = 1, timeout: int = 600) -> dict:
+    """Run to completion; return the JSON summary (the last stdout line). Fails with the output."""
+    proc = subprocess.run(train_command([*QUIET, *overrides], nproc), cwd=REPO, env=train_env(nproc),
+                          capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise AssertionError(f"training failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def read_metrics(run_dir: str) -> list[dict]:
+    """metrics.jsonl, keeping the last record per step (a resumed run rewrites steps)."""
+    by_step = {}
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        for line in f:
+            rec = json.loads(line)
+            by_step[rec["step"]] = rec
+    return [by_step[s] for s in sorted(by_step)]

@@ -1,0 +1,227 @@
+"""The typed Hydra config: composition, overrides, strictness, and every validation failing
+before any process group exists, with a message naming the field and its value."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from hydra import compose, initialize_config_dir
+from hydra.errors import ConfigCompositionException
+from omegaconf.errors import ConfigKeyError
+
+from data_pipeline.text_stream import VOCAB_SIZE
+from model_providers.glm5.config import GLM5Config, ModelConfigError, validate_model
+from pretrain.config import RunConfig, register, to_run_config
+from pretrain.train import ConfigError, validate
+
+REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+CONF = os.path.join(REPO, "conf")
+
+register()
+
+
+def _compose(*overrides: str, config_dir: str = CONF):
+    with initialize_config_dir(config_dir=config_dir, version_base=None):
+        return compose("config", overrides=list(overrides))
+
+
+def _rc(*overrides: str) -> RunConfig:
+    return to_run_config(_compose(*overrides))
+
+
+@pytest.fixture(autouse=True)
+def no_process_group():
+    assert not dist.is_initialized(), "a previous test left a torch.distributed process group"
+    yield
+    assert not dist.is_initialized(), "config handling must not start torch.distributed"
+
+
+# --- composition and overrides ----------------------------------------------------------------
+
+
+def test_defaults_compose_to_the_tiny_run():
+    rc = _rc()
+    assert isinstance(rc, RunConfig)
+    assert rc.model == GLM5Config()
+    assert (rc.model.num_layers, rc.model.hidden_size, rc.model.num_experts) == (4, 128, 8)
+    assert (rc.parallel.tp, rc.parallel.pp, rc.parallel.ep, rc.parallel.cp) == (1, 1, 1, 1)
+    assert rc.precision.dtype == "fp32" and rc.precision.fp8 is None
+    assert rc.trainer.steps == 60 and rc.trainer.seq_length == 128
+    assert rc.trainer.run_dir == "runs/glm5-tiny"  # ${trainer.name} resolved
+    assert rc.scheduler.style == "cosine" and rc.optimizer.lr == 0.003
+    assert rc.logger.wandb.mode == "offline"
+    layout = validate(rc, world_size=1)
+    assert layout.dp == 1 and layout.layers_per_stage == (4,)
+
+
+def test_overrides():
+    rc = _rc("parallel.tp=2")
+    assert rc.parallel.tp == 2 and rc.parallel.pp == 1
+
+    rc = _rc("parallel=tp2_pp2", "model=glm5_744b", "trainer.steps=7", "trainer.name=big")
+    assert (rc.parallel.tp, rc.parallel.pp, rc.parallel.sequence_parallel) == (2, 2, True)
+    assert (rc.model.num_layers, rc.model.hidden_size, rc.model.num_experts) == (78, 6144, 256)
+    assert rc.model.vocab_size == 154880 and rc.model.dsa.topk == 2048
+    assert rc.trainer.steps == 7
+    assert rc.trainer.run_dir == "runs/big"
+    with pytest.raises(ConfigError, match=r"scheduler.decay_steps=7 must exceed scheduler.warmup_steps=10"):
+        validate(rc, world_size=8)  # 7 steps cannot hold the default 10 warm-up steps
+    rc.scheduler.warmup_steps = 2
+    layout = validate(rc, world_size=8)
+    assert layout.dp == 2 and layout.layers_per_stage == (39, 39)
+
+
+@pytest.mark.parametrize(
+    "override, key",
+    [("model.hiden_size=3", "model.hiden_size"), ("parallel.foo=1", "parallel.foo")],
+)
+def test_unknown_key_override_is_rejected(override, key):
+    with pytest.raises(ConfigCompositionException) as e:
+        _compose(override)
+    assert key in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "override, key, schema",
+    [
+        ("+parallel.foo=1", "parallel.foo", "ParallelConfig"),
+        ("+model.dsa.topkk=8", "model.dsa.topkk", "DSAConfig"),
+        ("+foo=1", "foo", "RunConfig"),
+    ],
+)
+def test_force_added_unknown_key_is_rejected(override, key, schema):
+    """Hydra's ``+`` adds the key even to a typed node; the run config then rejects it."""
+    cfg = _compose(override)
+    with pytest.raises(ConfigKeyError) as e:
+        to_run_config(cfg)
+    assert f"full_key: {key}" in str(e.value) and schema in str(e.value)
+
+
+def test_misspelled_key_in_a_group_yaml_is_rejected(tmp_path):
+    conf = tmp_path / "conf"
+    shutil.copytree(CONF, conf)
+    good = (conf / "model" / "glm5_tiny.yaml").read_text()
+    assert "\nnum_attention_heads: 4\n" in good
+    (conf / "model" / "typo.yaml").write_text(good.replace("\nnum_attention_heads:", "\nnum_attention_head:"))
+    assert to_run_config(_compose("model=glm5_tiny", config_dir=str(conf))).model == GLM5Config()
+    with pytest.raises(ConfigCompositionException) as e:
+        _compose("model=typo", config_dir=str(conf))
+    msg = str(e.value)
+    assert "num_attention_head" in msg and "model.num_attention_head" in msg and "GLM5Config" in msg
+
+
+# --- validation: fails before any process group, naming field and value ------------------------
+
+
+def _invalid(rc: RunConfig, world_size: int = 1):
+    with pytest.raises(ValueError) as e:
+        validate(rc, world_size)
+    assert not dist.is_initialized()
+    return e
+
+
+def test_decay_steps_not_after_warmup():
+    rc = _rc("scheduler.warmup_steps=10", "scheduler.decay_steps=10")
+    e = _invalid(rc)
+    assert isinstance(e.value, ConfigError)
+    assert "scheduler.decay_steps=10" in str(e.value) and "scheduler.warmup_steps=10" in str(e.value)
+    validate(_rc("scheduler.warmup_steps=10", "scheduler.decay_steps=11"), 1)
+
+
+def test_min_lr_above_lr():
+    e = _invalid(_rc("optimizer.lr=0.001", "optimizer.min_lr=0.002"))
+    assert "optimizer.min_lr=0.002" in str(e.value) and "optimizer.lr=0.001" in str(e.value)
+
+
+def test_unknown_scheduler_style():
+    e = _invalid(_rc("scheduler.style=cosnie"))
+    assert "scheduler.style='cosnie'" in str(e.value)
+
+
+def test_vocab_smaller_than_tokenizer():
+    assert VOCAB_SIZE == 257
+    e = _invalid(_rc("model.vocab_size=256"))
+    assert "model.vocab_size=256" in str(e.value) and str(VOCAB_SIZE) in str(e.value)
+    validate(_rc("model.vocab_size=257"), 1)
+
+
+def test_seq_length_beyond_max_positions():
+    e = _invalid(_rc("trainer.seq_length=8192", "trainer.micro_batch_size=1", "trainer.global_batch_size=1"))
+    assert isinstance(e.value, ModelConfigError)
+    assert "8192" in str(e.value) and "model.max_position_embeddings=4096" in str(e.value)
+
+
+def test_bad_dsa_mode():
+    e = _invalid(_rc("model.dsa.mode=sparce"))
+    assert "model.dsa.mode='sparce'" in str(e.value)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="fp8 is valid where CUDA exists")
+@pytest.mark.parametrize("recipe", ["fp8_delayed", "fp8_blockwise"])
+def test_fp8_without_cuda(recipe):
+    rc = _rc(f"precision={recipe}")
+    e = _invalid(rc)
+    assert f"precision.fp8={rc.precision.fp8}" in str(e.value) and "CUDA" in str(e.value)
+
+
+def test_bad_world_size_for_layout():
+    e = _invalid(_rc("parallel=tp2_pp2"), world_size=2)
+    assert "world size 2" in str(e.value) and "parallel.tp*pp*cp = 2*2*1 = 4" in str(e.value)
+    e = _invalid(_rc("parallel=ep4"), world_size=2)
+    assert "world size 2" in str(e.value) and "parallel.ep*etp*pp = 4*1*1 = 4" in str(e.value)
+    assert validate(_rc("parallel=tp2_pp2"), 4).dp == 1
+
+
+def test_bad_wandb_mode():
+    e = _invalid(_rc("logger.wandb.mode=onlin"))
+    assert "logger.wandb.mode='onlin'" in str(e.value)
+
+
+def test_validate_model_directly():
+    rc = _rc()
+    bad = dataclasses.replace(rc.model, dsa=dataclasses.replace(rc.model.dsa, mode="nope"))
+    with pytest.raises(ModelConfigError) as e:
+        validate_model(bad, rc.precision, 128)
+    assert "model.dsa.mode='nope'" in str(e.value)
+    with pytest.raises(ModelConfigError) as e:
+        validate_model(rc.model, rc.precision, 4097)
+    assert "4097" in str(e.value) and "model.max_position_embeddings=4096" in str(e.value)
+    validate_model(rc.model, rc.precision, 4096)
+    assert not dist.is_initialized()
+
+
+def test_every_problem_is_listed_at_once():
+    e = _invalid(_rc("optimizer.min_lr=1.0", "logger.wandb.mode=x", "model.vocab_size=8"))
+    msg = str(e.value)
+    assert "optimizer.min_lr=1.0" in msg and "logger.wandb.mode='x'" in msg and "model.vocab_size=8" in msg
+
+
+# --- the entry point ---------------------------------------------------------------------------
+
+
+def test_train_entry_point_rejects_bad_layout_before_creating_the_run_dir(tmp_path):
+    run_dir = tmp_path / "x"
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+           and not k.startswith("SLURM_")}
+    env["WANDB_MODE"] = "disabled"
+    start = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-m", "pretrain.train", "parallel.tp=3", f"trainer.run_dir={run_dir}"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=60,
+    )
+    elapsed = time.monotonic() - start
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out[-2000:]
+    assert "world size 1 is not divisible by parallel.tp*pp*cp = 3*1*1 = 3" in out, out[-2000:]
+    assert "model.num_attention_heads=4 is not divisible by parallel.tp=3" in out
+    assert not run_dir.exists()
+    assert elapsed < 30, f"took {elapsed:.1f}s to reject the config"
