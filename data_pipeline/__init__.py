@@ -1,2 +1,3 @@
-"""Text -> tokens -> batches. Until the indexed-dataset pipeline lands, training reads a
-deterministic byte-level token stream built from real text (see :mod:`data_pipeline.text_stream`)."""
+"""Text -> tokens -> batches: sample corpora (``samples/``), tokenizer, DataTrove preprocessing
+into megatron indexed datasets (``preprocess``), corpus registry and mixtures (``config``),
+long-context packing (``packing``) and the runtime blended datasets a run trains on (``build``)."""

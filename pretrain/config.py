@@ -9,7 +9,7 @@ from typing import List, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
-from data_pipeline.text_stream import DataConfig
+from data_pipeline.config import DataConfig
 from model_providers.glm5.config import GLM5Config, PrecisionConfig
 from parallel.config import ParallelConfig
 

@@ -15,6 +15,7 @@ from megatron.core.transformer.moe import moe_utils
 from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 
 from data_pipeline.batches import micro_batches
+from model_providers.glm5.dsa.attention import KL_TRACKER
 
 
 def lm_loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
@@ -43,6 +44,7 @@ class StepStats:
     lm_loss: float
     mtp_losses: list
     moe_aux_loss: float  #: unscaled balance loss summed over MoE layer applications
+    indexer_kl: list  #: per layer (decoder layers, then the shared MTP layer summed over depths)
     grad_norm: float
     moe_load_imbalance: float
     skipped: bool
@@ -121,11 +123,16 @@ def train_step(ddp_chunks, optimizer, scheduler, dataset, consumed_samples: int,
     if MTPLossLoggingHelper.tracker.get("values") is not None:
         MTPLossLoggingHelper.clean_loss_in_tracker()
 
-    aux = 0.0
+    aux, kl = 0.0, []
     tracker = moe_utils.get_moe_layer_wise_logging_tracker()
     if tracker:
         moe_utils.reduce_aux_losses_tracker_across_ranks()
-        aux = sum(float(v["values"].sum()) for v in tracker.values()) / len(batches)
+        for name, entry in tracker.items():
+            values = entry["values"] / len(batches)
+            if name == KL_TRACKER:
+                kl = values.tolist()
+            else:
+                aux += float(values.sum())
         moe_utils.clear_aux_losses_tracker()
     imbalance = torch.tensor([probe.value], dtype=torch.float64)
     dist.all_reduce(imbalance, op=dist.ReduceOp.MAX)
@@ -133,6 +140,7 @@ def train_step(ddp_chunks, optimizer, scheduler, dataset, consumed_samples: int,
         lm_loss=float(report[0] / report[1]),
         mtp_losses=[float(x) for x in report[2:]],
         moe_aux_loss=aux,
+        indexer_kl=kl,
         grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
         moe_load_imbalance=float(imbalance),
         skipped=not ok,

@@ -26,7 +26,7 @@ class ConfigError(ValueError):
 
 def validate(rc: RunConfig, world_size: int):
     """Every check that needs only the config and the world size. Returns the parallel layout."""
-    from data_pipeline.text_stream import VOCAB_SIZE
+    from data_pipeline.config import check_data
     from model_providers.glm5.config import validate_model
     from parallel.config import validate as validate_parallel
     from pretrain.optim import check_schedule
@@ -46,11 +46,7 @@ def validate(rc: RunConfig, world_size: int):
     problems = check_schedule(rc.scheduler, rc.optimizer, t.steps)
     if t.steps < 0:
         problems.append(f"trainer.steps={t.steps} must be >= 0")
-    if rc.model.vocab_size < VOCAB_SIZE:
-        problems.append(
-            f"model.vocab_size={rc.model.vocab_size} is smaller than the tokenizer's "
-            f"vocabulary ({VOCAB_SIZE})"
-        )
+    problems += check_data(rc.data, rc.model.vocab_size)
     if rc.logger.wandb.mode not in ("online", "offline", "disabled"):
         problems.append(f"logger.wandb.mode={rc.logger.wandb.mode!r} must be online, offline or disabled")
     if problems:
@@ -73,7 +69,7 @@ def run(rc: RunConfig, config_yaml: str) -> dict:
     from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
-    from data_pipeline.text_stream import TextStreamDataset
+    from data_pipeline.build import CategoryTokens, build_train_dataset
     from model_providers.glm5.config import to_transformer_config
     from model_providers.glm5.flops import train_flops_per_token
     from model_providers.glm5.provider import build_model_chunks
@@ -115,7 +111,9 @@ def run(rc: RunConfig, config_yaml: str) -> dict:
 
     state = checkpoint.load(latest, chunks, optimizer, scheduler) if latest else checkpoint.TrainState()
 
-    dataset = TextStreamDataset(rc.data, t.seq_length)
+    dataset = build_train_dataset(rc.data, t.seq_length, t.seed, run_dir, rc.model.vocab_size,
+                                  num_samples=max(1, t.steps) * t.global_batch_size)
+    category_tokens = CategoryTokens(dataset, t.seq_length, state.consumed_samples)
     resolved = OmegaConf.to_container(OmegaConf.create(config_yaml), resolve=True)
     sink = MetricsSink(rc.logger, run_dir, t.steps, state.step, t.name, resolved,
                        state.wandb_run_id, env.rank)
@@ -140,13 +138,16 @@ def run(rc: RunConfig, config_yaml: str) -> dict:
             "step": state.step,
             "stage": "pretrain",
             "consumed_tokens": state.consumed_samples * t.seq_length,
-            "loss": stats.lm_loss + rc.model.mtp_loss_scale * mtp + aux_coeff * stats.moe_aux_loss,
+            **category_tokens.update(state.consumed_samples),
+            "loss": stats.lm_loss + rc.model.mtp_loss_scale * mtp + aux_coeff * stats.moe_aux_loss
+            + rc.model.dsa.kl_coeff * sum(stats.indexer_kl),
             "lm_loss": stats.lm_loss,
             "mtp_loss": mtp,
             **{f"mtp_{i + 1}_loss": v for i, v in enumerate(stats.mtp_losses)},
             "moe_aux_loss": aux_coeff * stats.moe_aux_loss,
             "moe_balance_loss": stats.moe_aux_loss / max(1, moe_layers_applied),
             "moe_load_imbalance": stats.moe_load_imbalance,
+            **_indexer_kl_metrics(stats.indexer_kl, mtp_steps, rc.model.num_layers),
             "lr": scheduler.get_lr(optimizer.param_groups[0]),
             "grad_norm": stats.grad_norm,
             "skipped": stats.skipped,
@@ -181,6 +182,20 @@ def run(rc: RunConfig, config_yaml: str) -> dict:
     dist.barrier()
     dist.destroy_process_group()
     return summary
+
+
+def _indexer_kl_metrics(per_layer: list, mtp_steps: int, num_layers: int) -> dict:
+    """``indexer_kl`` (mean over layer applications) and ``indexer_kl/layer_<i>`` (the shared
+    MTP layer's entry is its mean over the MTP depths)."""
+    if not per_layer:
+        return {}
+    values = list(per_layer)
+    applications = num_layers + (mtp_steps if len(values) > num_layers else 0)
+    out = {"indexer_kl": sum(values) / applications}
+    for i, v in enumerate(values):
+        name = f"layer_{i}" if i < num_layers else "mtp"
+        out[f"indexer_kl/{name}"] = v / mtp_steps if i >= num_layers else v
+    return out
 
 
 def _saved(ckpt_dir: str, step: int) -> bool:

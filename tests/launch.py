@@ -53,3 +53,19 @@ def read_metrics(run_dir: str) -> list[dict]:
             rec = json.loads(line)
             by_step[rec["step"]] = rec
     return [by_step[s] for s in sorted(by_step)]
+
+
+def checkpoint_tensors(ckpt_dir, scratch_dir) -> dict:
+    """Every tensor of a dist checkpoint (weights and optimizer state), read in this process
+    through a private 1-rank gloo group."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing
+
+    dist.init_process_group("gloo", init_method=f"file://{scratch_dir}/pg-{free_port()}",
+                            rank=0, world_size=1)
+    try:
+        tensors = dist_checkpointing.load_plain_tensors(str(ckpt_dir))
+    finally:
+        dist.destroy_process_group()
+    return {k: v for k, v in tensors.items() if isinstance(v, torch.Tensor)}

@@ -20,9 +20,9 @@ class DSAConfig:
     mode: str = "dense"  #: dense | warmup | sparse
     index_heads: int = 4  #: lightning-indexer heads (GLM-5: 32)
     index_head_dim: int = 32  #: indexer head dim (GLM-5: 128)
-    index_rope_dim: int = 16  #: dims of the indexer head that get RoPE (GLM-5: 64)
     topk: int = 32  #: keys each query attends to in sparse mode (GLM-5 ``index_topk``: 2048)
     rope_interleaved: bool = True  #: GLM-5 interleaved; DeepSeek-V3.2 not
+    hadamard: bool = False  #: Walsh-Hadamard-rotate indexer q and k (DeepSeek-V3.2: yes; GLM-5 HF: no)
     kl_coeff: float = 1.0  #: weight of the indexer KL loss
     indexer_dtype: str = "fp32"  #: fp8 | bf16 | fp32
     query_chunk: int = 64  #: queries scored at once (memory O(chunk * L)); GLM-5 run: 1024
@@ -116,6 +116,16 @@ def validate_model(cfg: GLM5Config, precision: PrecisionConfig, seq_length: int)
         p.append(f"model.dsa.mode={cfg.dsa.mode!r} must be dense, warmup or sparse")
     if cfg.dsa.indexer_dtype not in ("fp8", "bf16", "fp32"):
         p.append(f"model.dsa.indexer_dtype={cfg.dsa.indexer_dtype!r} must be fp8, bf16 or fp32")
+    if cfg.dsa.indexer_dtype == "fp8" and cfg.dsa.index_head_dim % 128:
+        p.append(
+            f"model.dsa.indexer_dtype=fp8 needs model.dsa.index_head_dim divisible by 128 "
+            f"(one scale per 128 values), got {cfg.dsa.index_head_dim}"
+        )
+    if cfg.dsa.topk < 1 or cfg.dsa.index_heads < 1 or cfg.dsa.query_chunk < 1:
+        p.append(
+            f"model.dsa.topk={cfg.dsa.topk}, index_heads={cfg.dsa.index_heads} and "
+            f"query_chunk={cfg.dsa.query_chunk} must be >= 1"
+        )
     if precision.dtype not in ("fp32", "bf16"):
         p.append(f"precision.dtype={precision.dtype!r} must be fp32 or bf16")
     if precision.fp8 not in (None, "delayed", "blockwise"):

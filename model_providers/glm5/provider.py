@@ -6,6 +6,7 @@ from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 
 from model_providers.glm5.config import GLM5Config
+from model_providers.glm5.dsa.modes import apply_dsa_mode
 from model_providers.glm5.mtp import SharedMultiTokenPredictionBlock
 from model_providers.glm5.specs import decoder_block_spec, mtp_block_spec
 
@@ -34,7 +35,7 @@ def build_model_chunks(cfg: GLM5Config, tcfg, backend: str) -> list[GLM5Model]:
         chunks.append(
             GLM5Model(
                 config=tcfg,
-                transformer_layer_spec=decoder_block_spec(tcfg, backend, vp_stage=stage),
+                transformer_layer_spec=decoder_block_spec(tcfg, backend, cfg.dsa, vp_stage=stage),
                 vocab_size=cfg.padded_vocab_size(tcfg.tensor_model_parallel_size),
                 max_sequence_length=cfg.max_position_embeddings,
                 pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
@@ -42,8 +43,9 @@ def build_model_chunks(cfg: GLM5Config, tcfg, backend: str) -> list[GLM5Model]:
                 share_embeddings_and_output_weights=False,
                 position_embedding_type="rope",
                 rotary_base=int(cfg.rope_theta),
-                mtp_block_spec=mtp_block_spec(tcfg, backend, vp_stage=stage),
+                mtp_block_spec=mtp_block_spec(tcfg, backend, cfg.dsa, vp_stage=stage),
                 vp_stage=stage,
             )
         )
+    apply_dsa_mode(chunks, tcfg, cfg.dsa.mode)
     return chunks

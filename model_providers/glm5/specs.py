@@ -15,10 +15,7 @@ from megatron.core.models.backends import LocalSpecProvider
 from megatron.core.models.gpt.gpt_layer_specs import get_mlp_module_spec_for_backend
 from megatron.core.post_training.modelopt.layers import Linear as DuplicatedLinear
 from megatron.core.transformer.enums import AttnMaskType
-from megatron.core.transformer.multi_latent_attention import (
-    MLASelfAttention,
-    MLASelfAttentionSubmodules,
-)
+from megatron.core.transformer.multi_latent_attention import MLASelfAttentionSubmodules
 from megatron.core.transformer.multi_token_prediction import (
     MultiTokenPredictionBlockSubmodules,
     get_mtp_layer_spec_for_backend,
@@ -35,17 +32,15 @@ from megatron.core.transformer.transformer_layer import (
     get_transformer_layer_offset,
 )
 
-from model_providers.glm5.layers import MLACoreAttention, RMSNorm
+from model_providers.glm5.dsa.attention import DSACoreAttention, GLM5MLASelfAttention
+from model_providers.glm5.layers import RMSNorm
 
 
 class LocalBackend(LocalSpecProvider):
-    """megatron's local provider with GLM-5's RMSNorm (SP-aware) and MLA core attention."""
+    """megatron's local provider with GLM-5's RMSNorm (SP-aware)."""
 
     def layer_norm(self, rms_norm: bool = False, for_qk: bool = False) -> type:
         return RMSNorm
-
-    def core_attention(self) -> type:
-        return MLACoreAttention
 
 
 def resolve_backend(name: str) -> str:
@@ -68,14 +63,18 @@ def _backend_provider(backend: str):
     return LocalBackend()
 
 
-def _local_layer_spec(num_experts) -> ModuleSpec:
+def _dsa_core_attention(dsa) -> ModuleSpec:
+    return ModuleSpec(module=DSACoreAttention, params={"dsa": dsa})
+
+
+def _local_layer_spec(num_experts, dsa) -> ModuleSpec:
     backend = LocalBackend()
     return ModuleSpec(
         module=TransformerLayer,
         submodules=TransformerLayerSubmodules(
             input_layernorm=RMSNorm,
             self_attention=ModuleSpec(
-                module=MLASelfAttention,
+                module=GLM5MLASelfAttention,
                 params={"attn_mask_type": AttnMaskType.causal},
                 submodules=MLASelfAttentionSubmodules(
                     linear_q_proj=backend.column_parallel_linear(),
@@ -87,7 +86,7 @@ def _local_layer_spec(num_experts) -> ModuleSpec:
                     linear_q_up_proj=backend.column_parallel_linear(),
                     linear_kv_down_proj=DuplicatedLinear,
                     linear_kv_up_proj=backend.column_parallel_linear(),
-                    core_attention=MLACoreAttention,
+                    core_attention=_dsa_core_attention(dsa),
                     linear_proj=backend.row_parallel_linear(),
                     q_layernorm=RMSNorm,
                     kv_layernorm=RMSNorm,
@@ -101,43 +100,48 @@ def _local_layer_spec(num_experts) -> ModuleSpec:
     )
 
 
-def layer_spec(backend: str, num_experts) -> ModuleSpec:
-    """One decoder layer: dense FFN when ``num_experts`` is None, MoE otherwise."""
+def layer_spec(backend: str, num_experts, dsa) -> ModuleSpec:
+    """One decoder layer: dense FFN when ``num_experts`` is None, MoE otherwise; attention is
+    MLA with DeepSeek Sparse Attention as its core (``dsa.mode`` picks dense/warmup/sparse)."""
     if backend == "te":
         from megatron.core.models.gpt.gpt_layer_specs import (
             get_gpt_layer_with_transformer_engine_spec,
         )
 
-        return get_gpt_layer_with_transformer_engine_spec(
+        spec = get_gpt_layer_with_transformer_engine_spec(
             num_experts=num_experts,
             moe_grouped_gemm=num_experts is not None,
             qk_layernorm=True,
             multi_latent_attention=True,
         )
-    return _local_layer_spec(num_experts)
+        attention = spec.submodules.self_attention
+        attention.module = GLM5MLASelfAttention
+        attention.submodules.core_attention = _dsa_core_attention(dsa)
+        return spec
+    return _local_layer_spec(num_experts, dsa)
 
 
-def all_layer_specs(tcfg, backend: str) -> list[ModuleSpec]:
-    dense = layer_spec(backend, None)
-    moe = layer_spec(backend, tcfg.num_moe_experts) if tcfg.num_moe_experts else dense
+def all_layer_specs(tcfg, backend: str, dsa) -> list[ModuleSpec]:
+    dense = layer_spec(backend, None, dsa)
+    moe = layer_spec(backend, tcfg.num_moe_experts, dsa) if tcfg.num_moe_experts else dense
     pattern = tcfg.moe_layer_freq if tcfg.num_moe_experts else [0] * tcfg.num_layers
     return [moe if is_moe else dense for is_moe in pattern]
 
 
-def decoder_block_spec(tcfg, backend: str, vp_stage=None) -> TransformerBlockSubmodules:
+def decoder_block_spec(tcfg, backend: str, dsa, vp_stage=None) -> TransformerBlockSubmodules:
     """The decoder layers this rank builds for model chunk ``vp_stage``."""
-    specs = all_layer_specs(tcfg, backend)
+    specs = all_layer_specs(tcfg, backend, dsa)
     offset = get_transformer_layer_offset(tcfg, vp_stage=vp_stage)
     count = get_num_layers_to_build(tcfg, vp_stage=vp_stage)
     norm = _backend_provider(backend).layer_norm(rms_norm=True) if backend == "te" else RMSNorm
     return TransformerBlockSubmodules(layer_specs=specs[offset : offset + count], layer_norm=norm)
 
 
-def mtp_block_spec(tcfg, backend: str, vp_stage=None):
+def mtp_block_spec(tcfg, backend: str, dsa, vp_stage=None):
     """ONE MTP layer (applied ``mtp_num_layers`` times by the shared block), or None when this
     model chunk holds no MTP."""
     if not tcfg.mtp_num_layers or get_mtp_num_layers_to_build(tcfg, vp_stage=vp_stage) == 0:
         return None
-    last_layer = all_layer_specs(tcfg, backend)[-1]
+    last_layer = all_layer_specs(tcfg, backend, dsa)[-1]
     mtp_layer = get_mtp_layer_spec_for_backend(last_layer, _backend_provider(backend))
     return MultiTokenPredictionBlockSubmodules(layer_specs=[mtp_layer])

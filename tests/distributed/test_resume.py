@@ -8,24 +8,12 @@ import time
 
 import pytest
 import torch
-import torch.distributed as dist
-from megatron.core import dist_checkpointing
 
-from tests.launch import QUIET, REPO, read_metrics, run_train, train_command, train_env
+from tests.launch import (QUIET, REPO, checkpoint_tensors, read_metrics, run_train,
+                          train_command, train_env)
 
 STEPS = 6
 COMMON = [f"trainer.steps={STEPS}", "trainer.global_batch_size=8", "trainer.micro_batch_size=4"]
-
-
-def _weights(ckpt_dir, tmp_path):
-    """All model tensors of a checkpoint, read in this process (a 1-rank gloo group)."""
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg-{ckpt_dir.parent.parent.name}",
-                            rank=0, world_size=1)
-    try:
-        tensors = dist_checkpointing.load_plain_tensors(str(ckpt_dir))
-    finally:
-        dist.destroy_process_group()
-    return {k: v for k, v in tensors.items() if isinstance(v, torch.Tensor)}
 
 
 def _kill_after_checkpoint(overrides, latest_file, wanted, timeout=300):
@@ -65,8 +53,8 @@ def test_kill_and_resume_matches_straight_run(tmp_path):
         for key in ("loss", "lm_loss", "mtp_loss", "lr", "grad_norm", "consumed_tokens"):
             assert a[key] == b[key], (a["step"], key, a[key], b[key])
 
-    w_straight = _weights(straight / "checkpoints" / "iter_0000006", tmp_path)
-    w_resumed = _weights(resumed / "checkpoints" / "iter_0000006", tmp_path)
+    w_straight = checkpoint_tensors(straight / "checkpoints" / "iter_0000006", tmp_path)
+    w_resumed = checkpoint_tensors(resumed / "checkpoints" / "iter_0000006", tmp_path)
     assert w_straight.keys() == w_resumed.keys()
     assert "embedding.word_embeddings.weight" in w_straight
     assert "optimizer.state.exp_avg.embedding.word_embeddings.weight" in w_straight

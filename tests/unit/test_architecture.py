@@ -88,6 +88,12 @@ def _attention_shapes(prefix: str, hf=HF) -> dict:
         a + "linear_kv_up_proj.weight": hf["kv_b_proj"],
         a + "linear_proj.weight": hf["o_proj"],
         prefix + "pre_mlp_layernorm.weight": (6144,),  # HF post_attention_layernorm
+        # DSA lightning indexer (HF self_attn.indexer.*)
+        a + "core_attention.indexer.wq_b.weight": (4096, 2048),
+        a + "core_attention.indexer.wk.weight": (128, 6144),
+        a + "core_attention.indexer.k_norm.weight": (128,),
+        a + "core_attention.indexer.k_norm.bias": (128,),
+        a + "core_attention.indexer.weights_proj.weight": (32, 6144),
     }
 
 
@@ -369,11 +375,11 @@ def test_shared_mtp_equals_megatron_block_with_tied_copies(tiny, batch):
     from model_providers.glm5.specs import decoder_block_spec, mtp_block_spec
 
     cfg, tcfg, model = tiny
-    one = mtp_block_spec(tcfg, "local")
+    one = mtp_block_spec(tcfg, "local", cfg.dsa)
     assert len(one.layer_specs) == 1
     ref = GPTModel(
         config=tcfg,
-        transformer_layer_spec=decoder_block_spec(tcfg, "local"),
+        transformer_layer_spec=decoder_block_spec(tcfg, "local", cfg.dsa),
         vocab_size=cfg.padded_vocab_size(1),
         max_sequence_length=cfg.max_position_embeddings,
         share_embeddings_and_output_weights=False,

@@ -17,7 +17,7 @@ from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 from omegaconf.errors import ConfigKeyError
 
-from data_pipeline.text_stream import VOCAB_SIZE
+from data_pipeline.tokenizer import tokenizer_vocab_size
 from model_providers.glm5.config import GLM5Config, ModelConfigError, validate_model
 from pretrain.config import RunConfig, register, to_run_config
 from pretrain.train import ConfigError, validate
@@ -147,10 +147,11 @@ def test_unknown_scheduler_style():
 
 
 def test_vocab_smaller_than_tokenizer():
-    assert VOCAB_SIZE == 257
-    e = _invalid(_rc("model.vocab_size=256"))
-    assert "model.vocab_size=256" in str(e.value) and str(VOCAB_SIZE) in str(e.value)
-    validate(_rc("model.vocab_size=257"), 1)
+    vocab = tokenizer_vocab_size(_rc().data.tokenizer)
+    assert vocab == 512
+    e = _invalid(_rc("model.vocab_size=511"))
+    assert "model.vocab_size=511" in str(e.value) and f"vocabulary ({vocab}" in str(e.value)
+    validate(_rc("model.vocab_size=512"), 1)
 
 
 def test_seq_length_beyond_max_positions():

@@ -386,7 +386,10 @@ def test_mla_builds_from_megatron_local_spec(single_rank_model_parallel):
     from megatron.core.transformer.spec_utils import build_module
     from megatron.core.transformer.transformer_config import MLATransformerConfig
 
-    from model_providers.glm5.layers import MLACoreAttention
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    from model_providers.glm5.config import DSAConfig
+    from model_providers.glm5.dsa.attention import DSACoreAttention
 
     model_parallel_cuda_manual_seed(42)
     cfg = MLATransformerConfig(
@@ -410,7 +413,8 @@ def test_mla_builds_from_megatron_local_spec(single_rank_model_parallel):
     spec = get_gpt_layer_local_spec(multi_latent_attention=True, normalization="RMSNorm")
     attn_spec = spec.submodules.self_attention
     assert attn_spec.module is MLASelfAttention
-    attn_spec.submodules.core_attention = MLACoreAttention
+    attn_spec.submodules.core_attention = ModuleSpec(
+        module=DSACoreAttention, params={"dsa": DSAConfig(mode="dense")})
     attn = build_module(attn_spec, config=cfg, layer_number=1)
     assert isinstance(attn, MLASelfAttention)
 

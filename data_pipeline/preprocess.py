@@ -1,0 +1,207 @@
+"""``python -m data_pipeline.preprocess [data=<group>] [overrides]``: corpora -> indexed datasets.
+
+Each corpus of the active mixture (or ``corpora=[a,b]``) becomes
+``<cache_dir>/indexed/<corpus>-<fingerprint>/`` holding one ``shard_<task>.bin/.idx`` per
+DataTrove task and ``stats.json`` (documents, tokens, bytes, invalid UTF-8, per shard). The
+fingerprint covers the inputs (path, size, mtime), the tokenizer file, and every setting that
+changes the output, so a rerun skips finished corpora and a changed input rebuilds. The folder
+only appears, by rename, once complete.
+
+``data.preprocess.executor=local`` runs the tasks here in worker processes;
+``executor=slurm`` submits a Slurm array job (one task per shard) plus a dependent job that
+writes ``stats.json`` and renames the folder; the training run then finds it complete.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import shutil
+from dataclasses import asdict, dataclass, field
+from typing import List
+
+from data_pipeline import tokenizer
+from data_pipeline.config import (SAMPLE_SCHEME, CorpusConfig, DataConfig, DataConfigError,
+                                  active_weights, expand_paths, validate_data)
+from data_pipeline.fsutil import building_dir, file_lock, fingerprint, write_json_atomic
+from data_pipeline.readers import CorpusReader, DataError
+from data_pipeline.writer import MASK_SUFFIX, IndexedShardWriter
+
+PREPROCESS_VERSION = 1
+
+
+@dataclass
+class CorpusOutput:
+    """A finished corpus: absolute shard prefixes with their token counts."""
+
+    name: str
+    path: str
+    prefixes: List[str]
+    shard_tokens: List[int]
+    loss_mask: bool
+    stats: dict = field(default_factory=dict)
+
+
+def corpus_files(name: str, c: CorpusConfig, cfg: DataConfig) -> list[str]:
+    if c.paths and c.paths[0].startswith(SAMPLE_SCHEME):
+        from data_pipeline.samples import materialize
+
+        return materialize(c.paths[0][len(SAMPLE_SCHEME):], cfg.cache_dir, cfg.sample_seed)
+    try:
+        return [os.path.abspath(f) for f in expand_paths(list(c.paths))]
+    except FileNotFoundError as e:
+        raise DataError(f"corpus {name!r}: data.corpora.{name}.paths: {e}") from None
+
+
+def _stat_inputs(files: list[str]) -> list:
+    out = []
+    for f in files:
+        walk = [os.path.join(d, n) for d, _, ns in os.walk(f) for n in ns] if os.path.isdir(f) else [f]
+        for p in sorted(walk):
+            st = os.stat(p)
+            out.append([p, st.st_size, st.st_mtime_ns])
+    return out
+
+
+def num_tasks(cfg: DataConfig) -> int:
+    return cfg.preprocess.tasks or cfg.preprocess.workers
+
+
+def output_dir(name: str, c: CorpusConfig, cfg: DataConfig, files: list[str], tok_path: str) -> str:
+    from data_pipeline.fsutil import file_digest
+
+    settings = {k: v for k, v in asdict(c).items() if k not in ("category", "packing", "paths")}
+    key = fingerprint({
+        "version": PREPROCESS_VERSION, "settings": settings, "inputs": _stat_inputs(files),
+        "tokenizer": file_digest(tok_path), "eod": cfg.tokenizer.eod_token, "tasks": num_tasks(cfg),
+        "chat": asdict(cfg.chat) if c.messages_field else None,
+    })
+    return os.path.join(os.path.abspath(cfg.cache_dir), "indexed", f"{name}-{key}")
+
+
+def load_output(name: str, path: str) -> CorpusOutput:
+    with open(os.path.join(path, "stats.json")) as f:
+        stats = json.load(f)
+    shards = stats["shards"]
+    return CorpusOutput(name=name, path=path, prefixes=[os.path.join(path, s["prefix"]) for s in shards],
+                        shard_tokens=[s["tokens"] for s in shards], loss_mask=stats["loss_mask"], stats=stats)
+
+
+def finalize(name: str, work_dir: str, tasks: int, files: list[str]) -> dict:
+    """Sum the shards' stats into ``stats.json``; an empty corpus is an error."""
+    shards = []
+    for rank in range(tasks):
+        meta = os.path.join(work_dir, f"shard_{rank:05d}.json")
+        if os.path.exists(meta):
+            with open(meta) as f:
+                shards.append({"prefix": f"shard_{rank:05d}", **json.load(f)})
+    keys = ("documents", "tokens", "bytes", "empty_documents", "invalid_utf8_documents",
+            "replacement_chars", "loss_tokens")
+    totals = {k: sum(s[k] for s in shards) for k in keys}
+    if totals["documents"] == 0:
+        raise DataError(f"corpus {name!r} is empty: no documents with text in {len(files)} input file(s) "
+                        f"{files[:3]}{' ...' if len(files) > 3 else ''}")
+    for s in shards:
+        for suffix in ("", MASK_SUFFIX if s["loss_mask"] else None):
+            if suffix is not None and not all(os.path.exists(os.path.join(work_dir, s["prefix"] + suffix + e))
+                                              for e in (".bin", ".idx")):
+                raise DataError(f"corpus {name!r}: shard {s['prefix']}{suffix} is incomplete in {work_dir}")
+    stats = {"corpus": name, **totals, "loss_mask": shards[0]["loss_mask"], "shards": shards,
+             "inputs": len(files)}
+    write_json_atomic(os.path.join(work_dir, "stats.json"), stats)
+    return stats
+
+
+def pipeline(name: str, c: CorpusConfig, cfg: DataConfig, files: list[str], tok_path: str, out_dir: str):
+    return [
+        CorpusReader(name, files, c.format, c.text_field, c.messages_field, c.invalid_utf8, cfg.chat),
+        IndexedShardWriter(out_dir, tok_path, cfg.tokenizer.eod_token, cfg.preprocess.batch_size,
+                           c.mask_template, c.mask_tool_results),
+    ]
+
+
+def prepare_corpus(name: str, cfg: DataConfig, allow_submit: bool = False) -> CorpusOutput | None:
+    """The corpus's finished output, building it here (local) when missing. With the slurm
+    executor a missing output is submitted (``allow_submit``) and None returned, or refused."""
+    c = cfg.corpora[name]
+    files = corpus_files(name, c, cfg)
+    tok_path = tokenizer.resolve(cfg)
+    if c.messages_field:
+        tok = tokenizer.load(tok_path)
+        missing = {k: v for k, v in asdict(cfg.chat).items() if tok.token_to_id(v) is None}
+        if missing:
+            raise DataConfigError(f"corpus {name!r} renders trajectories, but the chat markers "
+                                  f"{', '.join(f'data.chat.{k}={v!r}' for k, v in missing.items())} "
+                                  f"are not tokens of {tok_path}")
+    final = output_dir(name, c, cfg, files, tok_path)
+    if os.path.isdir(final):
+        return load_output(name, final)
+    if cfg.preprocess.executor == "slurm":
+        if not allow_submit:
+            raise DataConfigError(f"corpus {name!r} is not preprocessed ({final} missing) and "
+                                  "data.preprocess.executor=slurm: run `python -m data_pipeline.preprocess` first")
+        from data_pipeline.slurm import submit
+
+        submit(name, c, cfg, files, tok_path, final)
+        return None
+    with file_lock(final):
+        if not os.path.isdir(final):
+            for stale in glob.glob(glob.escape(final) + ".partial-*"):  # left by a killed build
+                shutil.rmtree(stale, ignore_errors=True)
+            with building_dir(final) as tmp:
+                run_local(pipeline(name, c, cfg, files, tok_path, tmp), cfg, os.path.join(tmp, "logs"))
+                finalize(name, tmp, num_tasks(cfg), files)
+    return load_output(name, final)
+
+
+def run_local(steps: list, cfg: DataConfig, logging_dir: str) -> None:
+    import megatron.core.datasets.indexed_dataset  # noqa: F401  (imported once, inherited by forked workers)
+    from datatrove.executor import LocalPipelineExecutor
+
+    tasks = num_tasks(cfg)
+    LocalPipelineExecutor(pipeline=steps, tasks=tasks, workers=min(cfg.preprocess.workers, tasks),
+                          logging_dir=logging_dir, skip_completed=False, start_method="fork").run()
+
+
+def prepare(cfg: DataConfig, names: list[str] | None = None, allow_submit: bool = False) -> dict:
+    """Finished outputs of ``names`` (default: the active mixture's corpora with weight > 0)."""
+    names = list(names) if names else list(active_weights(cfg))
+    unknown = [n for n in names if n not in cfg.corpora]
+    if unknown:
+        raise DataConfigError(f"corpora={unknown} not in data.corpora {sorted(cfg.corpora)}")
+    return {n: prepare_corpus(n, cfg, allow_submit) for n in names}
+
+
+# --- CLI ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class PreprocessRunConfig:
+    data: DataConfig = field(default_factory=DataConfig)
+    corpora: List[str] = field(default_factory=list)  #: empty = the active mixture's corpora
+
+
+def main() -> None:
+    import hydra
+    from hydra.core.config_store import ConfigStore
+    from omegaconf import OmegaConf
+
+    ConfigStore.instance().store(name="preprocess_schema", node=PreprocessRunConfig)
+
+    @hydra.main(version_base=None, config_path="../conf", config_name="preprocess")
+    def _run(cfg) -> None:
+        merged = OmegaConf.merge(OmegaConf.structured(PreprocessRunConfig), OmegaConf.to_container(cfg))
+        run_cfg: PreprocessRunConfig = OmegaConf.to_object(merged)
+        validate_data(run_cfg.data)
+        outputs = prepare(run_cfg.data, run_cfg.corpora, allow_submit=True)
+        summary = {n: (None if o is None else {"path": o.path, **{k: o.stats[k] for k in
+                       ("documents", "tokens", "bytes", "invalid_utf8_documents")}, "shards": len(o.prefixes)})
+                   for n, o in outputs.items()}
+        print(json.dumps(summary), flush=True)
+
+    _run()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,93 @@
+"""The lightning indexer, as GLM-5 defines it (HF ``GlmMoeDsaIndexer``):
+
+    q = wq_b(q_latent)            per head [H, d]; q_latent is MLA's q after q_a_layernorm
+    k = LayerNorm(wk(x))          one key per token [d] (LayerNorm with bias, eps 1e-6)
+    RoPE on the first qk_rope_head_dim dims of q and k (interleaved for GLM-5)
+    optionally a Walsh-Hadamard rotation of q and k (DeepSeek-V3.2; off for GLM-5)
+    w = weights_proj(x) * H^-0.5 * d^-0.5
+    I(t, s) = sum_h w(t, h) * ReLU(q(t, h) . k(s)),   s <= t
+
+Scores are computed one query chunk at a time, so memory is O(chunk * L), never O(L^2).
+The indexer's parameters are replicated across TP ranks; its inputs are detached (it learns
+only from the KL loss, and the KL never reaches the main model).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from megatron.core.transformer.module import MegatronModule
+
+from model_providers.glm5.dsa.hadamard import hadamard_rotate
+from model_providers.glm5.dsa.rope import apply_rope, rope_cos_sin
+from model_providers.glm5.dsa.topk import topk_indices
+
+
+class LightningIndexer(MegatronModule):
+    def __init__(self, config, dsa):
+        super().__init__(config=config)
+        self.heads = dsa.index_heads
+        self.head_dim = dsa.index_head_dim
+        self.rope_dim = config.qk_pos_emb_head_dim
+        self.rope_theta = config.rotary_base
+        self.interleaved = dsa.rope_interleaved
+        self.hadamard = dsa.hadamard
+        dt = config.params_dtype
+        self.wq_b = torch.nn.Linear(config.q_lora_rank, self.heads * self.head_dim, bias=False, dtype=dt)
+        self.wk = torch.nn.Linear(config.hidden_size, self.head_dim, bias=False, dtype=dt)
+        self.k_norm = torch.nn.LayerNorm(self.head_dim, eps=1e-6, dtype=dt)
+        self.weights_proj = torch.nn.Linear(config.hidden_size, self.heads, bias=False, dtype=dt)
+        if config.perform_initialization:
+            for lin in (self.wq_b, self.wk, self.weights_proj):
+                config.init_method(lin.weight)
+
+    def project(self, x_bsh: torch.Tensor, q_latent_bsq: torch.Tensor, positions: torch.Tensor):
+        """q [b, s, H, d], k [b, s, d], w [b, s, H] (fp32, scales folded in)."""
+        b, s, _ = x_bsh.shape
+        q = self.wq_b(q_latent_bsq).view(b, s, self.heads, self.head_dim)
+        k = self.k_norm(self.wk(x_bsh))
+        cos, sin = rope_cos_sin(positions, self.rope_dim, self.rope_theta, q.dtype)  # [b, s, r/2]
+        r = self.rope_dim
+        q = torch.cat([apply_rope(q[..., :r], cos[:, :, None], sin[:, :, None], self.interleaved),
+                       q[..., r:]], dim=-1)
+        k = torch.cat([apply_rope(k[..., :r], cos, sin, self.interleaved), k[..., r:]], dim=-1)
+        if self.hadamard:
+            q, k = hadamard_rotate(q), hadamard_rotate(k)
+        w = self.weights_proj(x_bsh).float() * (self.heads ** -0.5 * self.head_dim ** -0.5)
+        return q, k, w
+
+
+def index_logits(q, k, w, q_offset: int, dtype: str = "fp32") -> torch.Tensor:
+    """Causal indexer scores of a query chunk: q [b, c, H, d] (queries q_offset..q_offset+c-1),
+    k [b, L, d], w [b, c, H] -> [b, c, L] fp32, -inf where the key is in the future."""
+    if dtype != "fp32":
+        from model_providers.glm5.dsa.fp8 import index_logits as quantised_index_logits
+
+        return quantised_index_logits(q, k, w, q_offset, dtype=dtype)
+    b, c, h, d = q.shape
+    per_head = torch.bmm(q.float().reshape(b, c * h, d), k.float().transpose(1, 2))  # [b, c*H, L]
+    per_head = F.relu(per_head).view(b * c, h, -1)
+    logits = torch.bmm(w.float().reshape(b * c, 1, h), per_head).view(b, c, -1)
+    return logits.masked_fill(causal_mask(q_offset, c, k.shape[1], q.device), float("-inf"))
+
+
+def causal_mask(q_offset: int, c: int, length: int, device) -> torch.Tensor:
+    """[c, L] True where key position > query position."""
+    qpos = torch.arange(q_offset, q_offset + c, device=device)[:, None]
+    return torch.arange(length, device=device)[None, :] > qpos
+
+
+@torch.no_grad()
+def select_topk(q, k, w, topk: int, chunk: int, dtype: str = "fp32", first: int = 0):
+    """Deterministic top-k keys for queries ``first .. first + q.shape[1] - 1``: idx [b, s, k']
+    int64 and valid [b, s, k'] (k' = min(topk, L); invalid entries are future keys picked only
+    because fewer than k' causal keys exist)."""
+    b, s = q.shape[:2]
+    kk = min(topk, k.shape[1])
+    idx = torch.empty(b, s, kk, dtype=torch.int64, device=q.device)
+    for lo in range(0, s, chunk):
+        hi = min(lo + chunk, s)
+        logits = index_logits(q[:, lo:hi], k, w[:, lo:hi], first + lo, dtype)
+        idx[:, lo:hi] = topk_indices(logits, kk)
+    positions = torch.arange(first, first + s, device=q.device)[None, :, None]
+    return idx, idx <= positions

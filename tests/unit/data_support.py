@@ -1,0 +1,71 @@
+"""Shared setup for the data-pipeline tests: the default data config (the run's own samples,
+tokenizer and indexed outputs, built once per machine in the shared data cache) and small
+synthetic corpora in temp folders tokenised with that tokenizer."""
+
+from __future__ import annotations
+
+import json
+import os
+from functools import lru_cache
+
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from data_pipeline.config import CorpusConfig, DataConfig, PreprocessConfig, TokenizerConfig
+
+REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+
+
+def default_data_cfg(**overrides) -> DataConfig:
+    """conf/data/samples.yaml as the run composes it (cache dir made absolute)."""
+    with initialize_config_dir(config_dir=os.path.join(REPO, "conf", "data"), version_base=None):
+        node = compose("samples")
+    cfg: DataConfig = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(DataConfig), node))
+    cfg.cache_dir = os.path.join(REPO, cfg.cache_dir) if not os.path.isabs(cfg.cache_dir) else cfg.cache_dir
+    for k, v in overrides.items():
+        setattr(cfg, k, v)
+    return cfg
+
+
+@lru_cache(maxsize=1)
+def sample_outputs() -> dict:
+    """The default mixture's preprocessed corpora (built on first use)."""
+    from data_pipeline.preprocess import prepare
+
+    return prepare(default_data_cfg())
+
+
+@lru_cache(maxsize=1)
+def tokenizer_path() -> str:
+    from data_pipeline import tokenizer
+
+    return tokenizer.resolve(default_data_cfg())
+
+
+def corpus_cfg(cache_dir: str, paths: list, workers: int = 1, tasks: int = 0, **corpus) -> DataConfig:
+    """One corpus ``c`` over ``paths``, the sample tokenizer, its own cache."""
+    return DataConfig(
+        cache_dir=str(cache_dir),
+        corpora={"c": CorpusConfig(paths=[str(p) for p in paths], **corpus)},
+        mixtures={"default": {"c": 1.0}},
+        tokenizer=TokenizerConfig(path=tokenizer_path()),
+        preprocess=PreprocessConfig(workers=workers, tasks=tasks),
+    )
+
+
+def write_jsonl(path, records) -> str:
+    with open(path, "w", encoding="utf-8") as f:
+        for r in records:
+            f.write(json.dumps(r) + "\n")
+    return str(path)
+
+
+def read_docs(prefixes: list) -> list:
+    """Every document of the shards, in order, as token lists."""
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    docs = []
+    for p in prefixes:
+        ds = IndexedDataset(p)
+        docs.extend(ds[i].tolist() for i in range(len(ds)))
+    return docs

@@ -1,0 +1,80 @@
+"""The indexer KL: values equal a naive computation, and gradients reach only the indexer
+(its inputs are detached and the target carries no gradient), in dense and sparse form."""
+
+import math
+
+import torch
+
+from model_providers.glm5.dsa.indexer import index_logits, select_topk
+from model_providers.glm5.dsa.kl import dense_kl, sparse_kl
+from model_providers.glm5.dsa.sparse_attention import sparse_latent_attention
+
+
+def _naive_kl(target_rows, logit_rows):
+    total = 0.0
+    for p_row, l_row in zip(target_rows, logit_rows):
+        finite = [(p, l) for p, l in zip(p_row, l_row) if math.isfinite(l)]
+        z = math.log(sum(math.exp(l) for _, l in finite))
+        total += sum(p * (math.log(p) - (l - z)) for p, l in finite if p > 0)
+    return total / len(target_rows)
+
+
+def _setup(seed=0, s=20, n=3, D=12, h=2, d=8):
+    gen = torch.Generator().manual_seed(seed)
+    query = torch.randn(s, 1, n, D, generator=gen, requires_grad=True)
+    key = torch.randn(s, 1, n, D, generator=gen, requires_grad=True)
+    iq = torch.randn(1, s, h, d, generator=gen, requires_grad=True)
+    ik = torch.randn(1, s, d, generator=gen, requires_grad=True)
+    iw = torch.randn(1, s, h, generator=gen, requires_grad=True)
+    return query, key, iq, ik, iw
+
+
+def test_dense_kl_value_and_gradient_flow():
+    query, key, iq, ik, iw = _setup()
+    s, scale = query.shape[0], 0.3
+    kl = dense_kl(iq, ik, iw, query, key, scale, chunk=6)
+
+    scores = torch.einsum("snd,lnd->nsl", query[:, 0], key[:, 0]) * scale
+    scores = scores.masked_fill(torch.ones(s, s, dtype=torch.bool).triu(1), float("-inf"))
+    target = scores.softmax(-1).sum(0)
+    target = (target / target.sum(-1, keepdim=True)).tolist()
+    logits = index_logits(iq, ik, iw, 0)[0].tolist()
+    want = _naive_kl(target, logits)
+    assert abs(float(kl) - want) <= 1e-5 * max(1.0, abs(want))
+
+    kl.backward()
+    assert query.grad is None and key.grad is None  # the KL never reaches the main model
+    for t in (iq, ik, iw):
+        assert t.grad is not None and t.grad.abs().sum() > 0
+
+
+def test_sparse_kl_value_and_gradient_flow():
+    query, key, iq, ik, iw = _setup(seed=1, s=24)
+    s, n, D = query.shape[0], query.shape[2], query.shape[3]
+    q_abs = torch.randn(1, s, n, D, requires_grad=True)
+    kv = torch.randn(1, s, D, requires_grad=True)
+    idx, valid = select_topk(iq.detach(), ik.detach(), iw.detach(), topk=5, chunk=7)
+    out, head_probs = sparse_latent_attention(q_abs, kv, idx, valid, 0.25, D - 4, 7)
+    kl = sparse_kl(iq, ik, iw, idx, valid, head_probs, chunk=5)
+
+    logits = index_logits(iq, ik, iw, 0)[0]
+    sel_logits = logits.gather(-1, idx[0]).masked_fill(~valid[0], float("-inf")).tolist()
+    target = head_probs[0].masked_fill(~valid[0], 0.0)
+    target = (target / target.sum(-1, keepdim=True)).tolist()
+    want = _naive_kl(target, sel_logits)
+    assert abs(float(kl) - want) <= 1e-5 * max(1.0, abs(want))
+
+    kl.backward()
+    assert q_abs.grad is None and kv.grad is None
+    for t in (iq, ik, iw):
+        assert t.grad is not None and t.grad.abs().sum() > 0
+
+
+def test_kl_is_zero_when_indexer_matches_target():
+    """Sanity of the direction: KL(target || q) = 0 when softmax(I) equals the target."""
+    from model_providers.glm5.dsa.kl import _kl_rows
+
+    target = torch.tensor([[0.2, 0.3, 0.5, 0.0]])
+    logits = torch.tensor([[math.log(0.2), math.log(0.3), math.log(0.5), float("-inf")]])
+    assert abs(float(_kl_rows(target, logits))) < 1e-6
+    assert float(_kl_rows(target, torch.zeros(1, 4).masked_fill(torch.tensor([[False] * 3 + [True]]), float("-inf")))) > 0.01
