@@ -13,7 +13,6 @@ megatron's loader reshards by the global tensor keys, so any TP/PP/EP layout can
 from __future__ import annotations
 
 import io
-import json
 import os
 import queue
 import shutil
@@ -90,6 +89,7 @@ class _LazyTensor:
 
     def __init__(self, chunks: list[Chunk], dtype: torch.dtype):
         self.chunks, self.dtype = chunks, dtype
+        self.by_offset = {tuple(c.offset): c for c in chunks}
 
     def __create_write_items__(self, fqn: str, obj) -> list[WriteItem]:
         props = TensorProperties(dtype=self.dtype)
@@ -112,7 +112,7 @@ class _LazyPlanner(DefaultSavePlanner):
         obj = self.lazy.get(write_item.index.fqn)
         if not isinstance(obj, _LazyTensor):
             return super().resolve_data(write_item)
-        chunk = obj.chunks[write_item.index.index]
+        chunk = obj.by_offset[tuple(write_item.index.offset)]
         if self._cached[0] != chunk.name:
             self._cached = (None, None)  # drop the previous tensor before making the next
             self._cached = (chunk.name, self.source(chunk.name).to(self.dtypes[chunk.name]))
@@ -128,10 +128,13 @@ class _LazyPlanner(DefaultSavePlanner):
 
 
 class _GroupedWriter(FileSystemWriter):
-    """One DCP file per model group (layer), written in plan order."""
+    """One DCP file per model group (layer), items written in plan order by one thread that
+    resolves each just before writing it (no copy-ahead). Overrides ``write_data`` only to
+    choose the files; the writing itself is torch's (``_write_data``)."""
 
     def __init__(self, path: str, group_of: Callable[[str], str]):
-        super().__init__(path, single_file_per_rank=True, sync_files=True, thread_count=1)
+        super().__init__(path, single_file_per_rank=True, sync_files=True, thread_count=1,
+                         per_thread_copy_ahead=0)
         self.group_of = group_of
 
     def write_data(self, plan, planner):
@@ -151,6 +154,8 @@ class _GroupedWriter(FileSystemWriter):
 
 
 def _group_of_key(key: str) -> str:
+    if "_extra_state" in key:
+        return "_extra_state"
     parts = key.split(".")
     return ".".join(parts[:3]) if parts[0] in ("decoder", "mtp") and len(parts) > 2 else parts[0]
 
@@ -209,7 +214,3 @@ def load_tensors(ckpt_dir: str, sharded_sd: dict, names: list[str], dtypes: dict
     loaded = dist_checkpointing.load(sub, ckpt_dir)
     return {name: loaded[name] for name in names}
 
-
-def write_json(path: str, obj) -> None:
-    with open(path, "w") as f:
-        json.dump(obj, f, indent=2, sort_keys=True)
