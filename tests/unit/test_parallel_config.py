@@ -24,7 +24,7 @@ def check(par: ParallelConfig, world_size: int, **overrides) -> Layout:
     return validate(par, world_size=world_size, **{**MODEL, **overrides})
 
 
-def rejects(par: ParallelConfig, world_size: int, message: str, **overrides) -> str:
+def assert_rejects(par: ParallelConfig, world_size: int, message: str, **overrides) -> str:
     """Assert ``validate`` refuses the layout with ``message`` (literal text) in the error."""
     with pytest.raises(ParallelConfigError, match=re.escape(message)) as err:
         check(par, world_size, **overrides)
@@ -174,7 +174,7 @@ def test_stage_layer_counts_match_megatron(num_layers, par):
 
 
 def test_world_not_divisible_by_tp_pp_cp():
-    rejects(
+    assert_rejects(
         ParallelConfig(tp=2, pp=2, sequence_parallel=True),
         6,
         "world size 6 is not divisible by parallel.tp*pp*cp = 2*2*1 = 4",
@@ -182,11 +182,11 @@ def test_world_not_divisible_by_tp_pp_cp():
 
 
 def test_world_not_divisible_by_tp_pp_cp_through_cp():
-    rejects(ParallelConfig(cp=4), 6, "world size 6 is not divisible by parallel.tp*pp*cp = 1*1*4 = 4")
+    assert_rejects(ParallelConfig(cp=4), 6, "world size 6 is not divisible by parallel.tp*pp*cp = 1*1*4 = 4")
 
 
 def test_world_not_divisible_by_ep_etp_pp():
-    rejects(
+    assert_rejects(
         ParallelConfig(tp=2, ep=4, sequence_parallel=True),
         4,
         "world size 4 is not divisible by parallel.ep*etp*pp = 4*2*1 = 8",
@@ -194,7 +194,7 @@ def test_world_not_divisible_by_ep_etp_pp():
 
 
 def test_world_not_divisible_by_ep_with_explicit_etp():
-    rejects(
+    assert_rejects(
         ParallelConfig(pp=2, ep=2, etp=1),
         6,
         "world size 6 is not divisible by parallel.ep*etp*pp = 2*1*2 = 4",
@@ -203,7 +203,7 @@ def test_world_not_divisible_by_ep_with_explicit_etp():
 
 
 def test_heads_not_divisible_by_tp():
-    rejects(
+    assert_rejects(
         ParallelConfig(tp=4, sequence_parallel=True),
         4,
         "model.num_attention_heads=6 is not divisible by parallel.tp=4",
@@ -212,7 +212,7 @@ def test_heads_not_divisible_by_tp():
 
 
 def test_experts_not_divisible_by_ep():
-    rejects(
+    assert_rejects(
         ParallelConfig(ep=4),
         4,
         "model.num_experts=6 is not divisible by parallel.ep=4",
@@ -221,11 +221,11 @@ def test_experts_not_divisible_by_ep():
 
 
 def test_expert_parallel_on_dense_model():
-    rejects(ParallelConfig(ep=2), 2, "parallel.ep=2 needs a MoE model", num_experts=None)
+    assert_rejects(ParallelConfig(ep=2), 2, "parallel.ep=2 needs a MoE model", num_experts=None)
 
 
 def test_sequence_parallel_without_tp():
-    rejects(
+    assert_rejects(
         ParallelConfig(tp=1, sequence_parallel=True),
         1,
         "parallel.sequence_parallel=true needs parallel.tp > 1",
@@ -234,7 +234,7 @@ def test_sequence_parallel_without_tp():
 
 @pytest.mark.parametrize("num_experts", [8, None], ids=["moe", "dense"])
 def test_tp_needs_sequence_parallel(num_experts):
-    rejects(
+    assert_rejects(
         ParallelConfig(tp=2, sequence_parallel=False),
         2,
         "parallel.tp=2 needs parallel.sequence_parallel=true",
@@ -243,7 +243,7 @@ def test_tp_needs_sequence_parallel(num_experts):
 
 
 def test_seq_length_not_divisible_by_tp_under_sequence_parallel():
-    rejects(
+    assert_rejects(
         ParallelConfig(tp=2, sequence_parallel=True),
         2,
         "seq_length=1023 is not divisible by parallel.tp=2 (sequence parallel)",
@@ -252,7 +252,7 @@ def test_seq_length_not_divisible_by_tp_under_sequence_parallel():
 
 
 def test_seq_length_not_divisible_by_twice_cp():
-    rejects(ParallelConfig(cp=2), 2, "seq_length=1026 is not divisible by 2*parallel.cp=4", seq_length=1026)
+    assert_rejects(ParallelConfig(cp=2), 2, "seq_length=1026 is not divisible by 2*parallel.cp=4", seq_length=1026)
 
 
 def test_seq_length_divisible_by_twice_cp_is_accepted():
@@ -260,21 +260,21 @@ def test_seq_length_divisible_by_twice_cp_is_accepted():
 
 
 def test_vpp_needs_pipeline():
-    rejects(ParallelConfig(pp=1, vpp=2), 1, "parallel.vpp=2 needs parallel.pp > 1")
+    assert_rejects(ParallelConfig(pp=1, vpp=2), 1, "parallel.vpp=2 needs parallel.pp > 1")
 
 
 @pytest.mark.parametrize("field", ["first_stage_layers", "last_stage_layers"])
 def test_uneven_stage_needs_pipeline(field):
-    rejects(ParallelConfig(pp=1, **{field: 2}), 1, f"parallel.{field}=2 needs parallel.pp > 1")
+    assert_rejects(ParallelConfig(pp=1, **{field: 2}), 1, f"parallel.{field}=2 needs parallel.pp > 1")
 
 
 @pytest.mark.parametrize("field", ["first_stage_layers", "last_stage_layers"])
 def test_uneven_stage_needs_a_layer(field):
-    rejects(ParallelConfig(pp=2, **{field: 0}), 2, f"parallel.{field}=0 needs parallel.pp > 1 and a value >= 1")
+    assert_rejects(ParallelConfig(pp=2, **{field: 0}), 2, f"parallel.{field}=0 needs parallel.pp > 1 and a value >= 1")
 
 
 def test_layers_not_divisible_by_stages():
-    rejects(
+    assert_rejects(
         ParallelConfig(pp=3),
         3,
         "model.num_layers=8 (minus uneven first/last stages: 0) is not divisible by the remaining "
@@ -283,7 +283,7 @@ def test_layers_not_divisible_by_stages():
 
 
 def test_layers_not_divisible_by_vpp():
-    rejects(
+    assert_rejects(
         ParallelConfig(pp=2, vpp=2),
         2,
         "pipeline rank 0 holds 3 layers, not divisible by parallel.vpp=2",
@@ -293,7 +293,7 @@ def test_layers_not_divisible_by_vpp():
 
 
 def test_uneven_first_stage_not_divisible_by_vpp():
-    rejects(
+    assert_rejects(
         ParallelConfig(pp=2, vpp=2, first_stage_layers=3),
         2,
         "pipeline rank 0 holds 3 layers, not divisible by parallel.vpp=2",
@@ -303,7 +303,7 @@ def test_uneven_first_stage_not_divisible_by_vpp():
 
 
 def test_middle_stage_left_without_layers():
-    rejects(
+    assert_rejects(
         ParallelConfig(pp=3, first_stage_layers=4, last_stage_layers=4),
         3,
         "pipeline rank 1 would hold 0 layers",
@@ -311,7 +311,7 @@ def test_middle_stage_left_without_layers():
 
 
 def test_uneven_stages_not_adding_up_without_middle_stages():
-    rejects(
+    assert_rejects(
         ParallelConfig(pp=2, first_stage_layers=3, last_stage_layers=3),
         2,
         "parallel.first_stage_layers=3 + last_stage_layers=3 do not add up to model.num_layers=8 over pp=2",
@@ -319,7 +319,7 @@ def test_uneven_stages_not_adding_up_without_middle_stages():
 
 
 def test_uneven_stages_exceeding_the_model():
-    rejects(
+    assert_rejects(
         ParallelConfig(pp=4, first_stage_layers=5, last_stage_layers=5),
         4,
         "parallel.first_stage_layers=5 + last_stage_layers=5 do not add up to model.num_layers=8 over pp=4",
@@ -327,7 +327,7 @@ def test_uneven_stages_exceeding_the_model():
 
 
 def test_uneven_middle_layers_not_divisible():
-    rejects(
+    assert_rejects(
         ParallelConfig(pp=8, first_stage_layers=9, last_stage_layers=10),
         8,
         "model.num_layers=78 (minus uneven first/last stages: 19) is not divisible by the remaining "
@@ -337,7 +337,7 @@ def test_uneven_middle_layers_not_divisible():
 
 
 def test_global_batch_not_divisible_by_micro_times_dp():
-    rejects(
+    assert_rejects(
         ParallelConfig(),
         4,
         "trainer.global_batch_size=10 is not divisible by trainer.micro_batch_size*dp = 2*4",
@@ -347,7 +347,7 @@ def test_global_batch_not_divisible_by_micro_times_dp():
 
 
 def test_interleaved_microbatches_not_a_multiple_of_pp():
-    rejects(
+    assert_rejects(
         ParallelConfig(pp=2, vpp=2),
         2,
         "interleaved pipeline: micro-batches per step (3) must be a multiple of parallel.pp=2",
@@ -362,17 +362,17 @@ def test_non_interleaved_pipeline_accepts_any_microbatch_count():
 @pytest.mark.parametrize("field", ["tp", "pp", "ep", "cp"])
 @pytest.mark.parametrize("value", [0, -2])
 def test_non_positive_sizes(field, value):
-    rejects(ParallelConfig(**{field: value}), 4, f"parallel.{field}={value} must be >= 1")
+    assert_rejects(ParallelConfig(**{field: value}), 4, f"parallel.{field}={value} must be >= 1")
 
 
 @pytest.mark.parametrize("field", ["vpp", "etp"])
 def test_non_positive_optional_sizes(field):
-    rejects(ParallelConfig(pp=2, **{field: -1}), 2, f"parallel.{field}=-1 must be >= 1 or null")
+    assert_rejects(ParallelConfig(pp=2, **{field: -1}), 2, f"parallel.{field}=-1 must be >= 1 or null")
 
 
 @pytest.mark.parametrize("mbs, gbs", [(0, 8), (1, -8)])
 def test_non_positive_batch_sizes(mbs, gbs):
-    rejects(
+    assert_rejects(
         ParallelConfig(),
         1,
         f"trainer.micro_batch_size={mbs} and trainer.global_batch_size={gbs} must be >= 1",
@@ -383,11 +383,11 @@ def test_non_positive_batch_sizes(mbs, gbs):
 
 @pytest.mark.parametrize("world_size", [0, -4])
 def test_non_positive_world_size(world_size):
-    rejects(ParallelConfig(), world_size, f"world size {world_size} must be >= 1")
+    assert_rejects(ParallelConfig(), world_size, f"world size {world_size} must be >= 1")
 
 
 def test_every_problem_is_listed():
-    msg = rejects(
+    msg = assert_rejects(
         ParallelConfig(tp=4, ep=4, sequence_parallel=True),
         4,
         "model.num_attention_heads=6 is not divisible by parallel.tp=4",
