@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 
 import torch
@@ -49,7 +49,6 @@ class StepStats:
     moe_load_imbalance: float
     skipped: bool
     seconds: float
-    extra: dict = field(default_factory=dict)
 
 
 class LoadImbalanceProbe:

@@ -215,5 +215,4 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    torch.set_num_threads(max(1, torch.get_num_threads()))
     main()
