@@ -11,7 +11,6 @@ import json
 import os
 
 import hydra
-import torch
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
