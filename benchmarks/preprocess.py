@@ -145,7 +145,7 @@ def loader_rate(dataset, seq_length: int, global_batch: int, micro_batch: int, s
 def training_consumption(tmp: str) -> float:
     """Samples/s the tiny model's training step consumes (median step of a short real run)."""
     run_dir = os.path.join(tmp, "train")
-    subprocess.run([sys.executable, "-m", "pretrain.train", "trainer.steps=8", f"trainer.run_dir={run_dir}",
+    subprocess.run([sys.executable, "-m", "pretrain.train", "trainer.steps=8", "curriculum=none", f"trainer.run_dir={run_dir}",
                     "logger.wandb.mode=disabled", "logger.progress_bar=false", "scheduler.warmup_steps=1",
                     "checkpoint.save_at_end=false"], cwd=REPO, check=True, capture_output=True)
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:

@@ -66,10 +66,12 @@ class CategoryTokens:
     """Cumulative consumed tokens per category (``tokens_<category>``) as the run advances; exact
     after a resume because it restarts from the sample position."""
 
-    def __init__(self, dataset: MixtureDataset, seq_length: int, consumed_samples: int):
+    def __init__(self, dataset: MixtureDataset, seq_length: int, consumed_samples: int, start: int = 0):
+        """Counts samples ``start .. consumed_samples - 1`` (``start``: where this run's use of
+        the dataset began, e.g. a curriculum stage continuing an earlier stage's data stream)."""
         self.dataset, self.seq_length = dataset, seq_length
         self.position = consumed_samples
-        self.samples = dataset.category_counts(0, consumed_samples)
+        self.samples = dataset.category_counts(start, consumed_samples)
 
     def update(self, consumed_samples: int) -> dict[str, int]:
         for c, n in self.dataset.category_counts(self.position, consumed_samples).items():

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import random
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import numpy as np
@@ -22,6 +22,7 @@ from megatron.core.dist_checkpointing.mapping import ShardedObject
 from parallel import cpu_emulation
 
 LATEST = "latest"
+STAGE_FINAL = "STAGE_FINAL"  #: marker file in a stage's final checkpoint; retention keeps those
 
 
 def _sharding_metadata() -> dict:
@@ -82,9 +83,19 @@ def sharded_state(model_chunks, optimizer=None, is_loading=False, with_rng=True)
 
 @dataclass
 class TrainState:
+    """The run's position. ``step`` and ``consumed_tokens`` count from the run's start;
+    ``stage_step`` and ``consumed_samples`` (the data position) from the current stage's start,
+    whose dataset they index. ``category_tokens`` counts consumed tokens per data category over
+    the whole run, ``tokens_before_stage`` the part of it from finished stages."""
+
     step: int = 0
     consumed_samples: int = 0
     wandb_run_id: Optional[str] = None
+    stage: str = ""
+    stage_step: int = 0
+    consumed_tokens: int = 0
+    category_tokens: dict = field(default_factory=dict)
+    tokens_before_stage: dict = field(default_factory=dict)
 
 
 def iter_dir(ckpt_dir: str, step: int) -> str:
@@ -122,8 +133,9 @@ def _fsync_tree(path: str) -> None:
 
 
 def save(ckpt_dir: str, model_chunks, optimizer, scheduler, state: TrainState, config_yaml: str,
-         keep_last: int = 0) -> str:
-    """Save everything needed to resume bit-exactly; returns the final folder."""
+         keep_last: int = 0, stage_final: bool = False) -> str:
+    """Save everything needed to resume bit-exactly; returns the final folder. A stage's final
+    checkpoint is marked and never removed by ``keep_last`` retention."""
     final = iter_dir(ckpt_dir, state.step)
     tmp = final + ".tmp"
     if dist.get_rank() == 0:
@@ -139,6 +151,8 @@ def save(ckpt_dir: str, model_chunks, optimizer, scheduler, state: TrainState, c
     dist_checkpointing.save(sd, tmp)
     dist.barrier()
     if dist.get_rank() == 0:
+        if stage_final:
+            _write_atomic(os.path.join(tmp, STAGE_FINAL), state.stage)
         _fsync_tree(tmp)
         shutil.rmtree(final, ignore_errors=True)
         os.rename(tmp, final)
@@ -151,9 +165,15 @@ def save(ckpt_dir: str, model_chunks, optimizer, scheduler, state: TrainState, c
 def _apply_retention(ckpt_dir: str, keep_last: int) -> None:
     if keep_last <= 0:
         return
-    done = sorted(d for d in os.listdir(ckpt_dir) if d.startswith("iter_") and not d.endswith(".tmp"))
+    done = sorted(d for d in os.listdir(ckpt_dir) if d.startswith("iter_") and not d.endswith(".tmp")
+                  and not os.path.exists(os.path.join(ckpt_dir, d, STAGE_FINAL)))
     for old in done[:-keep_last]:
         shutil.rmtree(os.path.join(ckpt_dir, old), ignore_errors=True)
+
+
+def read_train_state(path: str) -> dict:
+    """The train state stored in a checkpoint (no process group or model needed)."""
+    return dict(dist_checkpointing.load_common_state_dict(path)["train_state"])
 
 
 def load(path: str, model_chunks, optimizer=None, scheduler=None) -> TrainState:

@@ -12,6 +12,7 @@ from omegaconf import OmegaConf
 from data_pipeline.config import DataConfig
 from model_providers.glm5.config import GLM5Config, PrecisionConfig
 from parallel.config import ParallelConfig
+from pretrain.curriculum import CurriculumConfig
 
 
 @dataclass
@@ -29,6 +30,7 @@ class OptimizerConfig:
 @dataclass
 class SchedulerConfig:
     style: str = "cosine"  #: cosine | wsd | linear | constant (megatron OptimizerParamScheduler)
+    init_lr: float = 0.0  #: LR at step 0 of the warm-up
     warmup_steps: int = 10
     decay_steps: Optional[int] = None  #: null = trainer.steps
     wsd_decay_steps: Optional[int] = None  #: WSD: length of the final decay; null = 20% of steps
@@ -70,6 +72,8 @@ class TrainerConfig:
     micro_batch_size: int = 4
     global_batch_size: int = 16
     seed: int = 1234
+    eval_every: int = 0  #: validation LM loss every N steps and at each stage end; 0 = never
+    eval_samples: int = 16  #: validation sequences per evaluation
 
 
 @dataclass
@@ -83,6 +87,7 @@ class RunConfig:
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    curriculum: CurriculumConfig = field(default_factory=CurriculumConfig)
 
 
 def register() -> None:

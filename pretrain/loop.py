@@ -41,7 +41,8 @@ def forward_step(data_iterator, model):
 
 @dataclass
 class StepStats:
-    lm_loss: float
+    lm_loss: float  #: token mean over the global batch (0 when no token carries loss)
+    loss_tokens: int  #: tokens with loss in the global batch
     mtp_losses: list
     moe_aux_loss: float  #: unscaled balance loss summed over MoE layer applications
     indexer_kl: list  #: per layer (decoder layers, then the shared MTP layer summed over depths)
@@ -136,7 +137,8 @@ def train_step(ddp_chunks, optimizer, scheduler, dataset, consumed_samples: int,
     imbalance = torch.tensor([probe.value], dtype=torch.float64)
     dist.all_reduce(imbalance, op=dist.ReduceOp.MAX)
     return StepStats(
-        lm_loss=float(report[0] / report[1]),
+        lm_loss=float(report[0] / max(report[1], 1)),
+        loss_tokens=int(report[1]),
         mtp_losses=[float(x) for x in report[2:]],
         moe_aux_loss=aux,
         indexer_kl=kl,
@@ -145,3 +147,37 @@ def train_step(ddp_chunks, optimizer, scheduler, dataset, consumed_samples: int,
         skipped=not ok,
         seconds=time.perf_counter() - t0,
     )
+
+
+def evaluate(ddp_chunks, dataset, trainer_cfg, num_samples: int) -> float:
+    """Validation LM loss (token mean) over the first ``num_samples`` sequences of ``dataset``,
+    forward only. Loss trackers are cleared afterwards so training metrics never see eval."""
+    dp_rank = parallel_state.get_data_parallel_rank()
+    dp_size = parallel_state.get_data_parallel_world_size()
+    batches = list(micro_batches(dataset, 0, num_samples, trainer_cfg.micro_batch_size, dp_rank,
+                                 dp_size))
+    for c in ddp_chunks:
+        c.eval()
+    try:
+        with torch.no_grad():
+            losses = get_forward_backward_func()(
+                forward_step_func=forward_step,
+                data_iterator=[iter(batches) for _ in ddp_chunks] if len(ddp_chunks) > 1 else iter(batches),
+                model=ddp_chunks,
+                num_microbatches=len(batches),
+                seq_length=trainer_cfg.seq_length,
+                micro_batch_size=trainer_cfg.micro_batch_size,
+                forward_only=True,
+            )
+    finally:
+        for c in ddp_chunks:
+            c.train()
+        if MTPLossLoggingHelper.tracker.get("values") is not None:
+            MTPLossLoggingHelper.clean_loss_in_tracker()
+        moe_utils.clear_aux_losses_tracker()
+    total = torch.zeros(2, dtype=torch.float64)
+    if _reporting_rank():
+        for out in losses:
+            total += out["lm"].double()
+    dist.all_reduce(total)
+    return float(total[0] / max(total[1], 1))

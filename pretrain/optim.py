@@ -56,7 +56,7 @@ def build_scheduler(optimizer, opt: OptimizerConfig, sched: SchedulerConfig, ste
         wsd_decay = sched.wsd_decay_steps or max(1, decay // 5)
     return OptimizerParamScheduler(
         optimizer,
-        init_lr=0.0,
+        init_lr=sched.init_lr,
         max_lr=opt.lr,
         min_lr=opt.min_lr,
         lr_warmup_steps=sched.warmup_steps,

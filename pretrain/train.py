@@ -1,8 +1,9 @@
-"""``python -m pretrain.train [hydra overrides]``: one training run.
+"""``python -m pretrain.train [hydra overrides]``: one training run (a curriculum of stages).
 
-Validates the whole config before any process group exists, starts torch.distributed (torchrun
-or Slurm variables; gloo on CPU), builds this rank's GLM-5 chunks, trains with megatron's
-schedules, checkpoints, and prints a one-line JSON summary as the last stdout line.
+Validates every stage's config before any process group exists, starts torch.distributed
+(torchrun or Slurm variables; gloo on CPU), finds where the run stands from its latest
+checkpoint, runs the remaining stages (pretrain.stage) and prints a one-line JSON summary as the
+last stdout line.
 """
 
 from __future__ import annotations
@@ -53,7 +54,31 @@ def validate(rc: RunConfig, world_size: int):
     return layout
 
 
-def _read_metrics(path: str) -> list[dict]:
+def plan_run(rc: RunConfig, world_size: int):
+    """The curriculum's stages, each validated as a whole run config; errors name the stage."""
+    from pretrain.curriculum import plan
+
+    stages = plan(rc)
+    problems = []
+    for st in stages:
+        try:
+            layout = validate(st.rc, world_size)
+        except ValueError as e:
+            if len(stages) == 1 and not rc.curriculum.stages:
+                raise
+            lines = [ln.strip()[2:] for ln in str(e).splitlines()[1:] if ln.strip().startswith("- ")]
+            problems += [f"stage {st.name!r}: {ln}" for ln in lines or [str(e)]]
+            continue
+        t = st.rc.trainer
+        if t.eval_every and t.eval_samples % (t.micro_batch_size * layout.dp):
+            problems.append(f"stage {st.name!r}: trainer.eval_samples={t.eval_samples} must be a multiple "
+                            f"of micro_batch_size={t.micro_batch_size} x data-parallel size {layout.dp}")
+    if problems:
+        raise ConfigError("invalid curriculum:\n  - " + "\n  - ".join(problems))
+    return stages
+
+
+def read_metrics(path: str) -> list[dict]:
     if not os.path.exists(path):
         return []
     by_step = {}
@@ -64,27 +89,40 @@ def _read_metrics(path: str) -> list[dict]:
     return [by_step[s] for s in sorted(by_step)]
 
 
+def stage_summaries(history: list[dict]) -> list[dict]:
+    """Per stage, in run order: steps, tokens, sequence length, first and last loss."""
+    out, before = [], 0
+    for rec in history:
+        if not out or out[-1]["name"] != rec["stage"]:
+            if out:
+                before = out[-1]["end_tokens"]
+            out.append({"name": rec["stage"], "steps": 0, "seq_length": rec.get("seq_length"),
+                        "start_loss": rec["loss"], "start_tokens": before})
+        cur = out[-1]
+        cur["steps"] += 1
+        cur["end_loss"] = rec["loss"]
+        cur["end_tokens"] = rec["consumed_tokens"]
+    for cur in out:
+        cur["tokens"] = cur.pop("end_tokens") - cur.pop("start_tokens")
+    return out
+
+
 def run(rc: RunConfig, config_yaml: str) -> dict:
     from megatron.core import parallel_state
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
-    from data_pipeline.build import CategoryTokens, build_train_dataset
-    from model_providers.glm5.config import to_transformer_config
-    from model_providers.glm5.flops import train_flops_per_token
-    from model_providers.glm5.provider import build_model_chunks
     from model_providers.glm5.specs import resolve_backend
-    from parallel.initialize import dist_env, initialize
+    from parallel.initialize import dist_env, start_process_group
     from pretrain import checkpoint
-    from pretrain.loop import configure_model_hooks, train_step
+    from pretrain.curriculum import where_to_begin
     from pretrain.metrics import MetricsSink
-    from pretrain.optim import build_optimizer, build_scheduler
+    from pretrain.plots import plot_curriculum
+    from pretrain.stage import RunContext, run_stage
 
     env = dist_env()
-    validate(rc, env.world_size)
+    stages = plan_run(rc, env.world_size)
     backend = resolve_backend(rc.model.layer_backend)
-    initialize(rc.parallel, rc.trainer.seed, env)
-    t = rc.trainer
-    run_dir = os.path.abspath(t.run_dir)
+    start_process_group(env)
+    run_dir = os.path.abspath(rc.trainer.run_dir)
     ckpt_dir = os.path.join(run_dir, "checkpoints")
     if env.rank == 0:
         os.makedirs(run_dir, exist_ok=True)
@@ -92,117 +130,41 @@ def run(rc: RunConfig, config_yaml: str) -> dict:
             f.write(config_yaml)
     dist.barrier()
 
-    tcfg = to_transformer_config(rc.model, rc.parallel, rc.precision)
-    chunks = build_model_chunks(rc.model, tcfg, backend)
     latest = checkpoint.latest_checkpoint(ckpt_dir) if rc.checkpoint.resume else None
-    if latest is None and rc.checkpoint.init_from:
-        checkpoint.load(rc.checkpoint.init_from, chunks)  # before DDP/optimizer copy the params
-    ddp_cfg = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True, use_distributed_optimizer=rc.parallel.distributed_optimizer
-    )
-    ddp = [
-        DistributedDataParallel(config=tcfg, ddp_config=ddp_cfg, module=c, disable_bucketing=i > 0)
-        for i, c in enumerate(chunks)
-    ]
-    optimizer = build_optimizer(ddp, rc.optimizer, rc.precision.dtype, rc.parallel.distributed_optimizer)
-    scheduler = build_scheduler(optimizer, rc.optimizer, rc.scheduler, t.steps)
-    probe = configure_model_hooks(tcfg, ddp, optimizer)
-
-    state = checkpoint.load(latest, chunks, optimizer, scheduler) if latest else checkpoint.TrainState()
-
-    dataset = build_train_dataset(rc.data, t.seq_length, t.seed, run_dir, rc.model.vocab_size,
-                                  num_samples=max(1, t.steps) * t.global_batch_size)
-    category_tokens = CategoryTokens(dataset, t.seq_length, state.consumed_samples)
+    latest_state = checkpoint.read_train_state(latest) if latest else None
+    begin = where_to_begin(stages, rc.curriculum, latest_state)
+    todo = [] if begin.done else stages[begin.stage:begin.last + 1]
     resolved = OmegaConf.to_container(OmegaConf.create(config_yaml), resolve=True)
-    sink = MetricsSink(rc.logger, run_dir, t.steps, state.step, t.name, resolved,
-                       state.wandb_run_id, env.rank)
-    state.wandb_run_id = sink.wandb_run_id
-    tokens_per_step = t.global_batch_size * t.seq_length
-    flops_per_step = train_flops_per_token(rc.model, t.seq_length) * tokens_per_step
-    mtp_steps = rc.model.mtp_num_steps
-    aux_coeff = rc.model.moe_aux_loss_coeff if rc.model.moe_aux_loss != "none" else 0.0
-    moe_layers_applied = rc.model.num_moe_layers + (mtp_steps if rc.model.num_experts else 0)
-
-    def save():
-        checkpoint.save(ckpt_dir, chunks, optimizer, scheduler, state, config_yaml,
-                        rc.checkpoint.keep_last)
-
-    while state.step < t.steps:
-        stats = train_step(ddp, optimizer, scheduler, dataset, state.consumed_samples, t, probe,
-                           mtp_steps)
-        state.step += 1
-        state.consumed_samples += t.global_batch_size
-        mtp = sum(stats.mtp_losses) / len(stats.mtp_losses) if stats.mtp_losses else 0.0
-        record = {
-            "step": state.step,
-            "stage": "pretrain",
-            "consumed_tokens": state.consumed_samples * t.seq_length,
-            **category_tokens.update(state.consumed_samples),
-            "loss": stats.lm_loss + rc.model.mtp_loss_scale * mtp + aux_coeff * stats.moe_aux_loss
-            + rc.model.dsa.kl_coeff * sum(stats.indexer_kl),
-            "lm_loss": stats.lm_loss,
-            "mtp_loss": mtp,
-            **{f"mtp_{i + 1}_loss": v for i, v in enumerate(stats.mtp_losses)},
-            "moe_aux_loss": aux_coeff * stats.moe_aux_loss,
-            "moe_balance_loss": stats.moe_aux_loss / max(1, moe_layers_applied),
-            "moe_load_imbalance": stats.moe_load_imbalance,
-            **_indexer_kl_metrics(stats.indexer_kl, mtp_steps, rc.model.num_layers),
-            "lr": scheduler.get_lr(optimizer.param_groups[0]),
-            "grad_norm": stats.grad_norm,
-            "skipped": stats.skipped,
-            "step_time_s": stats.seconds,
-            "tokens_per_s": tokens_per_step / stats.seconds,
-            "tflops_per_s": flops_per_step / stats.seconds / 1e12 / env.world_size,
-        }
-        sink.log(record)
-        if rc.checkpoint.save_every and state.step % rc.checkpoint.save_every == 0:
-            save()
-    if rc.checkpoint.save_at_end and not _saved(ckpt_dir, state.step):
-        save()
+    start_step = latest_state["step"] if latest_state else 0
+    total = start_step + sum(st.steps for st in todo) - (
+        latest_state.get("stage_step", 0) if latest_state and begin.how == "resume" else 0)
+    sink = MetricsSink(rc.logger, run_dir, total, start_step, rc.trainer.name, resolved,
+                       latest_state.get("wandb_run_id") if latest_state else None, env.rank)
+    ctx = RunContext(env, run_dir, config_yaml, backend, sink)
+    metrics_path = os.path.join(run_dir, "metrics.jsonl")
+    how = begin.how
+    for i, st in enumerate(todo):
+        run_stage(st, how, latest, ctx, save_final=rc.checkpoint.save_at_end or i < len(todo) - 1)
+        latest, how = checkpoint.latest_checkpoint(ckpt_dir), "carry"
+        if env.rank == 0 and rc.curriculum.plot and rc.curriculum.stages:
+            plot_curriculum(read_metrics(metrics_path), os.path.join(run_dir, "curriculum.png"))
     sink.close()
 
-    history = _read_metrics(os.path.join(run_dir, "metrics.jsonl")) if env.rank == 0 else []
+    history = read_metrics(metrics_path) if env.rank == 0 else []
     summary = {
         "run_dir": run_dir,
-        "steps": state.step,
-        "consumed_tokens": state.consumed_samples * t.seq_length,
+        "steps": history[-1]["step"] if history else 0,
+        "consumed_tokens": history[-1]["consumed_tokens"] if history else 0,
         "initial_loss": history[0]["loss"] if history else None,
         "final_loss": history[-1]["loss"] if history else None,
-        "stages": [{
-            "name": "pretrain",
-            "steps": state.step,
-            "tokens": state.consumed_samples * t.seq_length,
-            "start_loss": history[0]["loss"] if history else None,
-            "end_loss": history[-1]["loss"] if history else None,
-        }],
+        "stages": stage_summaries(history),
         "world_size": env.world_size,
     }
-    parallel_state.destroy_model_parallel()
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
     dist.barrier()
     dist.destroy_process_group()
     return summary
-
-
-def _indexer_kl_metrics(per_layer: list, mtp_steps: int, num_layers: int) -> dict:
-    """``indexer_kl`` (mean over layer applications) and ``indexer_kl/layer_<i>`` (the shared
-    MTP layer's entry is its mean over the MTP depths)."""
-    if not per_layer:
-        return {}
-    values = list(per_layer)
-    applications = num_layers + (mtp_steps if len(values) > num_layers else 0)
-    out = {"indexer_kl": sum(values) / applications}
-    for i, v in enumerate(values):
-        name = f"layer_{i}" if i < num_layers else "mtp"
-        out[f"indexer_kl/{name}"] = v / mtp_steps if i >= num_layers else v
-    return out
-
-
-def _saved(ckpt_dir: str, step: int) -> bool:
-    from pretrain import checkpoint
-
-    latest = checkpoint.latest_checkpoint(ckpt_dir)
-    return latest is not None and os.path.basename(latest) == os.path.basename(
-        checkpoint.iter_dir(ckpt_dir, step))
 
 
 @hydra.main(version_base=None, config_path="../conf", config_name="config")

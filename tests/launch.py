@@ -10,8 +10,10 @@ import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-#: overrides every test run uses: no W&B, no progress bar, few steps with a short warmup
-QUIET = ["logger.wandb.mode=disabled", "logger.progress_bar=false", "scheduler.warmup_steps=1"]
+#: overrides every test run uses: no W&B, no progress bar, one stage (trainer.steps) with a short
+#: warmup; curriculum tests pass curriculum=... after these
+QUIET = ["logger.wandb.mode=disabled", "logger.progress_bar=false", "scheduler.warmup_steps=1",
+         "curriculum=none"]
 
 
 def free_port() -> int:

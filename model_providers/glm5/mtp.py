@@ -10,7 +10,21 @@ layer at every depth.
 from __future__ import annotations
 
 import torch
-from megatron.core.transformer.multi_token_prediction import MultiTokenPredictionBlock
+from megatron.core.models.gpt import gpt_model
+from megatron.core.transformer.multi_token_prediction import MultiTokenPredictionBlock, roll_tensor
+
+
+def _roll_tensor_counting_at_least_one(*args, **kwargs):
+    """megatron-core 0.16.1's GPTModel divides each MTP depth's loss by the rolled loss mask's
+    sum; a micro-batch with no loss token at that depth (e.g. a long tool result in agent data,
+    whose loss is masked) gives 0/0 = NaN and poisons every weight. megatron's schedule clamps
+    the main loss's token count to >= 1 (schedules.forward_step_calc_loss); the same clamp here
+    makes such a micro-batch contribute zero MTP loss instead."""
+    rolled, total = roll_tensor(*args, **kwargs)
+    return rolled, total.clamp(min=1) if torch.is_tensor(total) else max(total, 1)
+
+
+gpt_model.roll_tensor = _roll_tensor_counting_at_least_one
 
 
 class SharedMultiTokenPredictionBlock(MultiTokenPredictionBlock):

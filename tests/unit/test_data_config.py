@@ -68,7 +68,7 @@ def test_negative_and_all_zero_weights():
 
 def test_mixtures_from_the_command_line():
     e = pytest.raises(ConfigError, validate, _rc("data.mixture=long_contxt"), 1)
-    assert "data.mixture='long_contxt' is not one of data.mixtures ['default', 'long_context']" in str(e.value)
+    assert "data.mixture='long_contxt' is not one of data.mixtures ['code_reasoning', 'default', 'long_context']" in str(e.value)
     validate(_rc("data.mixture=long_context"), 1)
     rc = _rc("+data.mixtures.code_only={code: 1.0}", "data.mixture=code_only")
     assert rc.data.mixtures["code_only"] == {"code": 1.0} and check_data(rc.data) == []

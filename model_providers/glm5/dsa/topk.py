@@ -8,7 +8,9 @@ import torch
 
 def topk_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
     """Indices [..., k] of the k largest entries of ``scores`` [..., L] (k <= L), ascending in
-    position. Entries equal to the k-th largest value are taken lowest position first."""
+    position. Entries equal to the k-th largest value are taken lowest position first; NaN
+    scores (diverged weights) rank as -inf instead of breaking the selection."""
+    scores = scores.nan_to_num(nan=float("-inf"))
     kth = scores.topk(k, dim=-1, sorted=False).values.amin(dim=-1, keepdim=True)
     above = scores > kth
     tied = scores == kth

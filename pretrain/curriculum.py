@@ -1,0 +1,266 @@
+"""Curricula: training as an ordered list of stages inside one run.
+
+A stage overrides a few fields of the run config (sequence length, batch, LR schedule, data
+mixture, DSA mode, trainable parameters, RoPE, parallel layout) for a token or step budget.
+:func:`plan` turns the config into one fully-resolved :class:`Stage` per stage, each carrying the
+``RunConfig`` that stage trains with, so every existing check (model, layout, data, schedule)
+runs on every stage before any compute. :func:`where_to_begin` reads the latest checkpoint's
+position and says which stage to run next and how its state is obtained.
+
+With no stages declared, the run is one implicit stage named ``pretrain`` built from
+``trainer`` / ``optimizer`` / ``scheduler`` as they are.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import re
+from dataclasses import dataclass, field, fields
+from typing import Any, Dict, List, Optional
+
+from omegaconf import OmegaConf
+
+IMPLICIT_STAGE = "pretrain"
+OPTIMIZER_STATES = ("carry", "reset")
+LR_STYLES = ("cosine", "linear", "constant", "wsd")
+
+
+@dataclass
+class StageLRConfig:
+    """One stage's schedule (megatron ``OptimizerParamScheduler``): linear warm-up from ``init``
+    to ``peak`` over ``warmup_steps``, then ``style`` decay from ``peak`` to ``end`` over the rest
+    of the stage. With ``warmup_steps: 0`` the stage's first step runs at ``peak``."""
+
+    peak: float = 3e-3
+    end: float = 3e-4
+    init: float = 0.0  #: warm-up start (used only when warmup_steps > 0)
+    warmup_steps: int = 0
+    style: str = "cosine"  #: cosine | linear | constant | wsd
+    wsd_decay_steps: Optional[int] = None  #: wsd: length of the final decay; null = 20% of the stage
+
+
+@dataclass
+class StageConfig:
+    name: str = "stage"
+    tokens: Optional[float] = None  #: budget in tokens (rounded up to whole steps) ...
+    steps: Optional[int] = None  #: ... or in optimizer steps; exactly one of the two
+    seq_length: int = 128
+    global_batch_size: int = 16  #: sequences per optimizer step
+    micro_batch_size: Optional[int] = None  #: null = min(trainer.micro_batch_size, global batch / dp)
+    lr: StageLRConfig = field(default_factory=StageLRConfig)
+    mixture: Optional[str] = None  #: data mixture name; null = data.mixture
+    dsa_mode: Optional[str] = None  #: dense | warmup | sparse; null = model.dsa.mode
+    trainable: List[str] = field(default_factory=list)  #: regexes over parameter names; empty = all the DSA mode trains
+    rope_theta: Optional[float] = None  #: null = model.rope_theta
+    parallel: Dict[str, Any] = field(default_factory=dict)  #: overrides of parallel.* for this stage
+    optimizer_state: str = "carry"  #: carry (Adam moments continue) | reset (fresh optimizer)
+    eval_every: Optional[int] = None  #: validation every N steps and at the stage end; null = trainer.eval_every
+
+
+@dataclass
+class CurriculumConfig:
+    stages: List[StageConfig] = field(default_factory=list)  #: empty = one stage from trainer/optimizer/scheduler
+    start: Optional[str] = None  #: begin at this stage (earlier ones are taken as done)
+    only: Optional[str] = None  #: run exactly this stage, then stop (one Slurm job per stage)
+    plot: bool = True  #: write <run_dir>/curriculum.png at each stage end
+
+
+class CurriculumError(ValueError):
+    """A curriculum that cannot run; raised before any compute."""
+
+
+@dataclass
+class Stage:
+    """A resolved stage: its index, name, step count and the run config it trains with."""
+
+    index: int
+    name: str
+    steps: int
+    rc: Any  #: pretrain.config.RunConfig with this stage's overrides applied
+    optimizer_state: str
+    trainable: List[str]
+    data_offset: int = 0  #: samples of this stage's data stream consumed by earlier stages
+    stream_samples: int = 0  #: samples the whole stream needs (every stage on it builds the same dataset)
+
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.rc.trainer.global_batch_size * self.rc.trainer.seq_length
+
+    def trains_signature(self) -> tuple:
+        """What decides the optimizer's parameter set (state can carry only when equal)."""
+        return (self.rc.model.dsa.mode, tuple(self.trainable))
+
+
+def _stage_steps(s: StageConfig, where: str, problems: list) -> int:
+    if (s.tokens is None) == (s.steps is None):
+        problems.append(f"{where}: set exactly one of tokens ({s.tokens}) and steps ({s.steps})")
+        return 0
+    if s.steps is not None:
+        if s.steps <= 0:
+            problems.append(f"{where}.steps={s.steps} must be > 0")
+        return s.steps
+    if not s.tokens > 0:
+        problems.append(f"{where}.tokens={s.tokens} must be > 0")
+        return 0
+    per_step = s.global_batch_size * s.seq_length
+    return math.ceil(s.tokens / per_step) if per_step > 0 else 0
+
+
+def _apply(rc, s: StageConfig, steps: int, where: str, problems: list):
+    """A copy of ``rc`` with the stage's overrides."""
+    from parallel.config import ParallelConfig
+
+    out = copy.deepcopy(rc)
+    t = out.trainer
+    t.steps = steps
+    t.seq_length = s.seq_length
+    t.global_batch_size = s.global_batch_size
+    if s.micro_batch_size is not None:
+        t.micro_batch_size = s.micro_batch_size
+    if s.eval_every is not None:
+        t.eval_every = s.eval_every
+    if s.mixture is not None:
+        out.data.mixture = s.mixture
+    if s.dsa_mode is not None:
+        out.model.dsa.mode = s.dsa_mode
+    if s.rope_theta is not None:
+        out.model.rope_theta = s.rope_theta
+    if s.parallel:
+        try:
+            merged = OmegaConf.merge(OmegaConf.structured(out.parallel), dict(s.parallel))
+            out.parallel = OmegaConf.to_object(merged)
+        except Exception as e:  # noqa: BLE001 -- OmegaConf's key/type errors
+            known = [f.name for f in fields(ParallelConfig)]
+            problems.append(f"{where}.parallel={dict(s.parallel)}: {str(e).splitlines()[0]} "
+                            f"(parallel fields: {known})")
+    out.optimizer.lr = s.lr.peak
+    out.optimizer.min_lr = s.lr.end
+    sch = out.scheduler
+    sch.style = s.lr.style
+    sch.init_lr = s.lr.init
+    sch.warmup_steps = s.lr.warmup_steps
+    sch.decay_steps = steps
+    sch.wsd_decay_steps = s.lr.wsd_decay_steps
+    return out
+
+
+def _check_stage(s: StageConfig, st: Stage, rc, where: str) -> list:
+    p = []
+    if not re.fullmatch(r"[A-Za-z0-9_.-]+", s.name or ""):
+        p.append(f"{where}.name={s.name!r} must be a non-empty word (letters, digits, _ . -)")
+    if s.seq_length <= 0:
+        p.append(f"{where}.seq_length={s.seq_length} must be > 0")
+    if s.global_batch_size <= 0:
+        p.append(f"{where}.global_batch_size={s.global_batch_size} must be > 0")
+    if s.optimizer_state not in OPTIMIZER_STATES:
+        p.append(f"{where}.optimizer_state={s.optimizer_state!r} must be one of {list(OPTIMIZER_STATES)}")
+    if s.lr.style not in LR_STYLES:
+        p.append(f"{where}.lr.style={s.lr.style!r} must be one of {list(LR_STYLES)}")
+    if s.lr.peak <= 0 or s.lr.end < 0 or s.lr.init < 0:
+        p.append(f"{where}.lr: peak={s.lr.peak} must be > 0, end={s.lr.end} and init={s.lr.init} >= 0")
+    if s.lr.warmup_steps < 0 or (st.steps and s.lr.warmup_steps >= st.steps and s.lr.style != "constant"):
+        p.append(f"{where}.lr.warmup_steps={s.lr.warmup_steps} must be in [0, the stage's {st.steps} steps)")
+    for pattern in s.trainable:
+        try:
+            re.compile(pattern)
+        except re.error as e:
+            p.append(f"{where}.trainable: {pattern!r} is not a regex ({e})")
+    d = st.rc.model.dsa
+    if d.mode in ("warmup", "sparse"):
+        if d.index_heads < 1 or d.index_head_dim < 1 or d.topk < 1:
+            p.append(f"{where}.dsa_mode={d.mode} needs the DSA indexer fields: model.dsa.index_heads="
+                     f"{d.index_heads}, index_head_dim={d.index_head_dim}, topk={d.topk} must be >= 1")
+        if d.kl_coeff <= 0:
+            p.append(f"{where}.dsa_mode={d.mode} trains the indexer through its KL loss, but "
+                     f"model.dsa.kl_coeff={d.kl_coeff}")
+    return p
+
+
+def plan(rc) -> List[Stage]:
+    """Resolve every stage (raises :class:`CurriculumError` listing each problem)."""
+    cur = rc.curriculum
+    if not cur.stages:
+        if cur.start not in (None, IMPLICIT_STAGE) or cur.only not in (None, IMPLICIT_STAGE):
+            raise CurriculumError(f"curriculum.start={cur.start!r} / curriculum.only={cur.only!r}: "
+                                  f"the curriculum has no stages (only the implicit {IMPLICIT_STAGE!r})")
+        return [Stage(0, IMPLICIT_STAGE, rc.trainer.steps, rc, "carry", [], 0,
+                      rc.trainer.steps * rc.trainer.global_batch_size)]
+    problems, stages = [], []
+    for i, s in enumerate(cur.stages):
+        where = f"curriculum.stages[{i}] ({s.name})"
+        steps = _stage_steps(s, where, problems)
+        st = Stage(i, s.name, steps, _apply(rc, s, steps, where, problems), s.optimizer_state,
+                   list(s.trainable))
+        problems += _check_stage(s, st, rc, where)
+        stages.append(st)
+    _assign_data_offsets(stages)
+    names = [s.name for s in stages]
+    for n in sorted({n for n in names if names.count(n) > 1}):
+        problems.append(f"curriculum.stages: the name {n!r} is used more than once")
+    for key in ("start", "only"):
+        v = getattr(cur, key)
+        if v is not None and v not in names:
+            problems.append(f"curriculum.{key}={v!r} is not a stage ({names})")
+    if cur.start is not None and cur.only is not None:
+        problems.append(f"curriculum.start={cur.start!r} and curriculum.only={cur.only!r}: set one")
+    for prev, st in zip(stages, stages[1:]):
+        if st.optimizer_state == "carry" and st.trains_signature() != prev.trains_signature():
+            problems.append(
+                f"curriculum.stages[{st.index}] ({st.name}).optimizer_state=carry, but it trains other "
+                f"parameters than {prev.name!r} (dsa mode/trainable {st.trains_signature()} vs "
+                f"{prev.trains_signature()}); use optimizer_state: reset")
+    if problems:
+        raise CurriculumError("invalid curriculum:\n  - " + "\n  - ".join(problems))
+    return stages
+
+
+def _assign_data_offsets(stages: List[Stage]) -> None:
+    """Stages that read the same data stream (same data config, mixture and sequence length, so
+    the same blended dataset) continue it instead of re-reading its first samples."""
+    consumed: dict = {}
+    for st in stages:
+        key = (repr(st.rc.data), st.rc.trainer.seq_length, st.rc.trainer.seed)
+        st.data_offset = consumed.get(key, 0)
+        consumed[key] = st.data_offset + st.steps * st.rc.trainer.global_batch_size
+    for st in stages:
+        st.stream_samples = consumed[(repr(st.rc.data), st.rc.trainer.seq_length, st.rc.trainer.seed)]
+
+
+@dataclass
+class Begin:
+    """Where the run picks up. ``how``: ``fresh`` (initialise, or ``checkpoint.init_from``),
+    ``resume`` (full state of a checkpoint inside this stage), ``carry`` (weights -- and optimizer
+    when the stage carries it -- from the previous stage's final checkpoint)."""
+
+    stage: int
+    how: str
+    last: int  #: index of the last stage this run executes
+    done: bool = False  #: nothing left to run
+
+
+def where_to_begin(stages: List[Stage], cur: CurriculumConfig, latest: Optional[dict]) -> Begin:
+    """``latest``: the train state of the newest checkpoint (None when there is none)."""
+    names = [s.name for s in stages]
+    first = names.index(cur.start or cur.only) if (cur.start or cur.only) else 0
+    last = names.index(cur.only) if cur.only else len(stages) - 1
+    if latest is None:
+        return Begin(first, "fresh", last)
+    stage_name = latest.get("stage") or names[0]
+    if stage_name not in names:
+        raise CurriculumError(f"the latest checkpoint is in stage {stage_name!r}, which this "
+                              f"curriculum does not have ({names}); use a new run dir or add it back")
+    j = names.index(stage_name)
+    finished = latest.get("stage_step", 0) >= stages[j].steps
+    at, how = (j + 1, "carry") if finished else (j, "resume")
+    if at < first:
+        if cur.only is not None:
+            pos = (f"the end of stage {stage_name!r}" if finished else
+                   f"step {latest.get('stage_step', 0)}/{stages[j].steps} of stage {stage_name!r}")
+            raise CurriculumError(f"curriculum.only={cur.only!r}, but the latest checkpoint is at "
+                                  f"{pos}: run the stages before {cur.only!r} first")
+        return Begin(first, "carry", last)
+    if at > last:
+        return Begin(at, how, last, done=True)
+    return Begin(at, how, last)

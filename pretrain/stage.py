@@ -1,0 +1,212 @@
+"""One curriculum stage: build what the stage trains (layout, model chunks, trainable set,
+optimizer, LR schedule, data) from its config and a starting checkpoint, train to its budget,
+and save the stage's final checkpoint."""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from typing import Optional
+
+from pretrain import checkpoint
+from pretrain.checkpoint import TrainState
+from pretrain.curriculum import Stage
+
+
+@dataclass
+class RunContext:
+    env: object  #: parallel.initialize.DistEnv
+    run_dir: str
+    config_yaml: str
+    backend: str  #: model layer backend (local | te)
+    sink: object  #: pretrain.metrics.MetricsSink
+
+    @property
+    def ckpt_dir(self) -> str:
+        return os.path.join(self.run_dir, "checkpoints")
+
+
+def restrict_trainable(model_chunks, patterns: list[str]) -> None:
+    """Freeze every parameter whose name matches none of ``patterns`` (on top of what the DSA
+    mode already froze). Call before DDP wrapping so frozen ones get no grad buffers."""
+    if not patterns:
+        return
+    compiled = [re.compile(p) for p in patterns]
+    for chunk in model_chunks:
+        for name, param in chunk.named_parameters():
+            if not any(c.search(name) for c in compiled):
+                param.requires_grad = False
+
+
+def _stage_start_state(stage: Stage, previous: Optional[TrainState]) -> TrainState:
+    if previous is None:
+        return TrainState(stage=stage.name)
+    return TrainState(step=previous.step, wandb_run_id=previous.wandb_run_id, stage=stage.name,
+                      consumed_tokens=previous.consumed_tokens,
+                      category_tokens=dict(previous.category_tokens),
+                      tokens_before_stage=dict(previous.category_tokens))
+
+
+def _load_moments_only(path: str, chunks, optimizer) -> None:
+    """Carry the optimizer's state (moments, step counts) from the previous stage, but keep this
+    stage's hyper-parameters: megatron's param groups store max_lr / min_lr / weight decay,
+    which the scheduler reads, so the loaded groups' values are put back to this stage's."""
+    hyper = [{k: v for k, v in g.items() if k not in ("params", "step")} for g in optimizer.param_groups]
+    checkpoint.load(path, chunks, optimizer)
+    for g, h in zip(optimizer.param_groups, hyper):
+        g.update(h)
+
+
+def run_stage(stage: Stage, how: str, latest: Optional[str], ctx: RunContext,
+              save_final: bool = True) -> TrainState:
+    """Train ``stage`` to its budget. ``how``: fresh | resume | carry (see
+    :class:`pretrain.curriculum.Begin`); ``latest`` is the checkpoint to resume or carry from.
+    ``save_final``: write the stage-final checkpoint (always, except ``checkpoint.save_at_end:
+    false`` on the run's last stage)."""
+    from megatron.core import tensor_parallel
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    from data_pipeline.build import CategoryTokens, build_datasets, build_train_dataset
+    from model_providers.glm5.config import to_transformer_config
+    from model_providers.glm5.provider import build_model_chunks
+    from parallel.initialize import initialize, set_seeds
+    from pretrain.loop import configure_model_hooks
+    from pretrain.optim import build_optimizer, build_scheduler
+
+    rc, t = stage.rc, stage.rc.trainer
+    initialize(rc.parallel, t.seed, ctx.env)
+    tcfg = to_transformer_config(rc.model, rc.parallel, rc.precision)
+    chunks = build_model_chunks(rc.model, tcfg, ctx.backend)
+    restrict_trainable(chunks, stage.trainable)
+    if how == "fresh" and rc.checkpoint.init_from:
+        checkpoint.load(rc.checkpoint.init_from, chunks)  # before DDP/optimizer copy the params
+    elif how == "carry":
+        checkpoint.load(latest, chunks)
+    ddp_cfg = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, use_distributed_optimizer=rc.parallel.distributed_optimizer)
+    ddp = [DistributedDataParallel(config=tcfg, ddp_config=ddp_cfg, module=c, disable_bucketing=i > 0)
+           for i, c in enumerate(chunks)]
+    optimizer = build_optimizer(ddp, rc.optimizer, rc.precision.dtype, rc.parallel.distributed_optimizer)
+    scheduler = build_scheduler(optimizer, rc.optimizer, rc.scheduler, stage.steps)
+    probe = configure_model_hooks(tcfg, ddp, optimizer)
+
+    if how == "resume":
+        state = checkpoint.load(latest, chunks, optimizer, scheduler)
+    else:
+        previous = TrainState(**checkpoint.read_train_state(latest)) if how == "carry" else None
+        if how == "carry" and stage.optimizer_state == "carry":
+            _load_moments_only(latest, chunks, optimizer)
+        state = _stage_start_state(stage, previous)
+        set_seeds(t.seed + stage.index)  # a stage's randomness does not depend on how it was reached
+        tensor_parallel.model_parallel_cuda_manual_seed(t.seed + stage.index)
+    state.wandb_run_id = ctx.sink.wandb_run_id or state.wandb_run_id
+
+    num_samples = max(t.global_batch_size, stage.stream_samples)
+    if t.eval_every:
+        dataset, valid = build_datasets(rc.data, t.seq_length, t.seed, ctx.run_dir, rc.model.vocab_size,
+                                        num_samples, valid_samples=t.eval_samples)
+    else:
+        dataset, valid = build_train_dataset(rc.data, t.seq_length, t.seed, ctx.run_dir,
+                                             rc.model.vocab_size, num_samples), None
+    categories = CategoryTokens(dataset, t.seq_length, stage.data_offset + state.consumed_samples,
+                                start=stage.data_offset)
+    trainer = _StageTrainer(stage, ddp, optimizer, scheduler, probe, dataset, valid, categories, ctx,
+                            save_final)
+    trainer.train(state, chunks)
+    return state
+
+
+class _StageTrainer:
+    """The step loop of one stage and its metrics records."""
+
+    def __init__(self, stage, ddp, optimizer, scheduler, probe, dataset, valid, categories, ctx,
+                 save_final):
+        from model_providers.glm5.flops import train_flops_per_token
+
+        self.save_final = save_final
+        self.stage, self.ddp, self.optimizer, self.scheduler = stage, ddp, optimizer, scheduler
+        self.probe, self.dataset, self.valid, self.categories, self.ctx = probe, dataset, valid, categories, ctx
+        rc, t = stage.rc, stage.rc.trainer
+        m = rc.model
+        self.flops_per_step = train_flops_per_token(m, t.seq_length) * stage.tokens_per_step
+        self.aux_coeff = m.moe_aux_loss_coeff if m.moe_aux_loss != "none" else 0.0
+        self.moe_layers_applied = m.num_moe_layers + (m.mtp_num_steps if m.num_experts else 0)
+
+    def train(self, state: TrainState, chunks) -> None:
+        from pretrain.loop import evaluate, train_step
+
+        stage, rc = self.stage, self.stage.rc
+        t = rc.trainer
+        while state.stage_step < stage.steps:
+            lr = self.optimizer.param_groups[0]["lr"]  # the LR this step uses
+            position = stage.data_offset + state.consumed_samples
+            stats = train_step(self.ddp, self.optimizer, self.scheduler, self.dataset, position, t,
+                               self.probe, rc.model.mtp_num_steps)
+            state.step += 1
+            state.stage_step += 1
+            state.consumed_samples += t.global_batch_size
+            state.consumed_tokens += stage.tokens_per_step
+            stage_counts = self.categories.update(stage.data_offset + state.consumed_samples)
+            state.category_tokens = {k: state.tokens_before_stage.get(k, 0) + stage_counts.get(k, 0)
+                                     for k in {**state.tokens_before_stage, **stage_counts}}
+            record = self._record(state, stats, lr)
+            last = state.stage_step == stage.steps
+            if self.valid is not None and (state.stage_step % t.eval_every == 0 or last):
+                record["valid_lm_loss"] = evaluate(self.ddp, self.valid, t, t.eval_samples)
+            self.ctx.sink.log(record)
+            if last and self.save_final:
+                self._save(state, chunks, stage_final=True)
+            elif rc.checkpoint.save_every and state.step % rc.checkpoint.save_every == 0:
+                self._save(state, chunks)
+
+    def _save(self, state, chunks, stage_final=False):
+        rc = self.stage.rc
+        checkpoint.save(self.ctx.ckpt_dir, chunks, self.optimizer, self.scheduler, state,
+                        self.ctx.config_yaml, rc.checkpoint.keep_last, stage_final=stage_final)
+
+    def _record(self, state: TrainState, stats, lr: float) -> dict:
+        rc, t = self.stage.rc, self.stage.rc.trainer
+        m = rc.model
+        mtp = sum(stats.mtp_losses) / len(stats.mtp_losses) if stats.mtp_losses else 0.0
+        world = self.ctx.env.world_size
+        return {
+            "step": state.step,
+            "stage": self.stage.name,
+            "stage_step": state.stage_step,
+            "seq_length": t.seq_length,
+            "mixture": rc.data.mixture,
+            "global_batch_size": t.global_batch_size,
+            "consumed_tokens": state.consumed_tokens,
+            **{f"tokens_{c}": n for c, n in sorted(state.category_tokens.items())},
+            "loss": stats.lm_loss + m.mtp_loss_scale * mtp + self.aux_coeff * stats.moe_aux_loss
+            + m.dsa.kl_coeff * sum(stats.indexer_kl),
+            "lm_loss": stats.lm_loss,
+            "loss_tokens": stats.loss_tokens,
+            "mtp_loss": mtp,
+            **{f"mtp_{i + 1}_loss": v for i, v in enumerate(stats.mtp_losses)},
+            "moe_aux_loss": self.aux_coeff * stats.moe_aux_loss,
+            "moe_balance_loss": stats.moe_aux_loss / max(1, self.moe_layers_applied),
+            "moe_load_imbalance": stats.moe_load_imbalance,
+            **indexer_kl_metrics(stats.indexer_kl, m.mtp_num_steps, m.num_layers),
+            "lr": lr,
+            "grad_norm": stats.grad_norm,
+            "skipped": stats.skipped,
+            "step_time_s": stats.seconds,
+            "tokens_per_s": self.stage.tokens_per_step / stats.seconds,
+            "tflops_per_s": self.flops_per_step / stats.seconds / 1e12 / world,
+        }
+
+
+def indexer_kl_metrics(per_layer: list, mtp_steps: int, num_layers: int) -> dict:
+    """``indexer_kl`` (mean over layer applications) and ``indexer_kl/layer_<i>`` (the shared
+    MTP layer's entry is its mean over the MTP depths)."""
+    if not per_layer:
+        return {}
+    values = list(per_layer)
+    applications = num_layers + (mtp_steps if len(values) > num_layers else 0)
+    out = {"indexer_kl": sum(values) / applications}
+    for i, v in enumerate(values):
+        name = f"layer_{i}" if i < num_layers else "mtp"
+        out[f"indexer_kl/{name}"] = v / mtp_steps if i >= num_layers else v
+    return out
