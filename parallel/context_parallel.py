@@ -10,6 +10,8 @@ reduce-scattered back (megatron's sequence-parallel gather, run on the CP group)
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
@@ -66,3 +68,31 @@ def batch_on_this_cp_rank(batch: dict, keep_whole=("document_ids",)) -> dict:
         return batch
     split = get_batch_on_this_cp_rank({k: v for k, v in batch.items() if k not in keep_whole})
     return {**batch, **split}
+
+
+def _sequence_mean_roll(roll):
+    """megatron's ``roll_tensor`` for the MTP loss returns this rank's token count, so under CP
+    each rank's MTP loss is its own mean and the CP average is a mean of per-rank means (not the
+    sequence mean when loss masks differ across ranks). Returning global count / cp instead
+    makes that average exactly the one-rank mean, for the gradient and the logged loss."""
+
+    @functools.wraps(roll)
+    def wrapped(tensor, shifts=-1, dims=-1, cp_group=None, packed_seq_params=None):
+        rolled, count = roll(tensor, shifts=shifts, dims=dims, cp_group=cp_group,
+                             packed_seq_params=packed_seq_params)
+        if cp_group is None or cp_group.size() == 1 or packed_seq_params is not None:
+            return rolled, count
+        count = count.detach().clone()
+        torch.distributed.all_reduce(count, group=cp_group)
+        return rolled, count / cp_group.size()
+
+    wrapped.sequence_mean = True
+    return wrapped
+
+
+def use_sequence_mean_mtp_loss() -> None:
+    """Install :func:`_sequence_mean_roll` where ``GPTModel`` computes MTP losses (idempotent)."""
+    from megatron.core.models.gpt import gpt_model
+
+    if not getattr(gpt_model.roll_tensor, "sequence_mean", False):
+        gpt_model.roll_tensor = _sequence_mean_roll(gpt_model.roll_tensor)

@@ -9,6 +9,7 @@ from model_providers.glm5.config import GLM5Config
 from model_providers.glm5.dsa.modes import apply_dsa_mode
 from model_providers.glm5.mtp import SharedMultiTokenPredictionBlock
 from model_providers.glm5.specs import decoder_block_spec, mtp_block_spec
+from parallel.context_parallel import use_sequence_mean_mtp_loss
 
 
 class GLM5Model(GPTModel):
@@ -16,11 +17,14 @@ class GLM5Model(GPTModel):
 
     GPTModel constructs its MTP block itself; the block spec given here has one layer, and the
     block is switched to :class:`SharedMultiTokenPredictionBlock` (same state, a forward that
-    applies that layer at every depth) so the parameters exist once.
+    applies that layer at every depth) so the parameters exist once. Under context
+    parallelism the MTP losses are made sequence means (:func:`use_sequence_mean_mtp_loss`).
     """
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
+        if self.config.context_parallel_size > 1:
+            use_sequence_mean_mtp_loss()
         if self.mtp_process:
             self.mtp.__class__ = SharedMultiTokenPredictionBlock
 
