@@ -52,6 +52,9 @@ def test_context_parallel_losses_match_one_rank(init_checkpoint, case):
         assert all(r["indexer_kl"] > 0 for r in ref)
     for want, have in zip(ref, got):
         for key in keys:
-            assert have[key] == pytest.approx(want[key], rel=REL_TOL), (case, want["step"], key)
+            # the KL (~3e-4 here) is a difference of two O(1) sums: fp32 summation order under CP
+            # moves it by ~5e-9 absolute (seen at step 4 of sparse_cp2, all else within 1e-5)
+            tol = dict(rel=REL_TOL, abs=1e-8 if key == "indexer_kl" else 0)
+            assert have[key] == pytest.approx(want[key], **tol), (case, want["step"], key)
     moved = "indexer_kl" if "mode=warmup" in " ".join(overrides) else "lm_loss"
     assert ref[-1][moved] < ref[0][moved]  # it trained: parity of a frozen model proves little
