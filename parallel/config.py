@@ -135,6 +135,11 @@ def validate(
         p.append(f"seq_length={seq_length} is not divisible by parallel.tp={par.tp} (sequence parallel)")
     if par.cp > 1 and seq_length % (2 * par.cp):
         p.append(f"seq_length={seq_length} is not divisible by 2*parallel.cp={2 * par.cp}")
+    elif par.cp > 1 and par.sequence_parallel and (seq_length // par.cp) % par.tp:
+        p.append(
+            f"seq_length={seq_length} / parallel.cp={par.cp} = {seq_length // par.cp} tokens per CP "
+            f"rank is not divisible by parallel.tp={par.tp} (sequence parallel)"
+        )
     if par.vpp is not None and par.vpp > 1 and par.pp == 1:
         p.append(f"parallel.vpp={par.vpp} needs parallel.pp > 1")
     for name in ("first_stage_layers", "last_stage_layers"):

@@ -16,23 +16,43 @@ from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelpe
 
 from data_pipeline.batches import micro_batches
 from model_providers.glm5.dsa.attention import KL_TRACKER
+from parallel.context_parallel import batch_on_this_cp_rank
 
 
 def lm_loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
-    """Token-summed LM loss; megatron's schedule divides by tokens and micro-batches."""
+    """Token-summed LM loss; megatron's schedule divides by tokens and micro-batches.
+
+    Under context parallelism each rank holds part of the tokens and DDP averages gradients over
+    the CP group: the divisor is the whole sequence's token count and the sum is scaled by cp,
+    so the averaged gradient is the one-rank gradient (the reported sums stay local)."""
     losses = output_tensor.float()
     mask = loss_mask.float()
     loss_sum = torch.sum(losses * mask)
-    num_tokens = mask.sum().to(torch.int)
-    return loss_sum, num_tokens, {"lm": torch.stack([loss_sum.detach(), mask.sum()])}
+    report = torch.stack([loss_sum.detach(), mask.sum()])
+    num_tokens = mask.sum()
+    cp = parallel_state.get_context_parallel_world_size()
+    if cp > 1:
+        num_tokens = num_tokens.detach().clone()
+        dist.all_reduce(num_tokens, group=parallel_state.get_context_parallel_group())
+        loss_sum = loss_sum * cp
+    return loss_sum, num_tokens.to(torch.int), {"lm": report}
+
+
+def document_mask(document_ids: torch.Tensor | None) -> torch.Tensor | None:
+    """The micro-batch's document ids [b, L] when some sample holds several documents (the
+    attention then masks across them), else None: one-document samples keep the plain causal
+    path."""
+    if document_ids is None or bool((document_ids == document_ids[:, :1]).all()):
+        return None
+    return document_ids
 
 
 def forward_step(data_iterator, model):
-    batch = next(data_iterator)
+    batch = batch_on_this_cp_rank(next(data_iterator))
     output = model(
         batch["tokens"],
         batch["position_ids"],
-        None,
+        document_mask(batch.get("document_ids")),
         labels=batch["labels"],
         loss_mask=batch["loss_mask"],
     )
@@ -118,7 +138,8 @@ def train_step(ddp_chunks, optimizer, scheduler, dataset, consumed_samples: int,
             report[:2] += out["lm"].double()
         values = MTPLossLoggingHelper.tracker.get("values")
         if values is not None and mtp_steps:
-            report[2:] = values.double() / (len(batches) * dp_size)
+            cp = parallel_state.get_context_parallel_world_size()  # every CP rank reports
+            report[2:] = values.double() / (len(batches) * dp_size * cp)
     dist.all_reduce(report)
     if MTPLossLoggingHelper.tracker.get("values") is not None:
         MTPLossLoggingHelper.clean_loss_in_tracker()

@@ -14,17 +14,29 @@ from megatron.core.models.gpt import gpt_model
 from megatron.core.transformer.multi_token_prediction import MultiTokenPredictionBlock, roll_tensor
 
 
-def _roll_tensor_counting_at_least_one(*args, **kwargs):
-    """megatron-core 0.16.1's GPTModel divides each MTP depth's loss by the rolled loss mask's
-    sum; a micro-batch with no loss token at that depth (e.g. a long tool result in agent data,
-    whose loss is masked) gives 0/0 = NaN and poisons every weight. megatron's schedule clamps
-    the main loss's token count to >= 1 (schedules.forward_step_calc_loss); the same clamp here
-    makes such a micro-batch contribute zero MTP loss instead."""
-    rolled, total = roll_tensor(*args, **kwargs)
-    return rolled, total.clamp(min=1) if torch.is_tensor(total) else max(total, 1)
+def _roll_tensor_sequence_count(tensor, shifts=-1, dims=-1, cp_group=None, packed_seq_params=None):
+    """megatron-core 0.16.1's GPTModel divides each MTP depth's loss by the count this returns
+    for the rolled loss mask. Two fixes to that count:
+
+    - a micro-batch with no loss token at a depth (e.g. a long masked tool result in agent data)
+      gives 0/0 = NaN and poisons every weight: the count is clamped to >= 1, as megatron's
+      schedule does for the main loss (the micro-batch then adds zero MTP loss);
+    - under context parallelism megatron returns this rank's count, so the CP-averaged loss is a
+      mean of per-rank means, not the sequence mean: the count becomes the sequence's / cp,
+      which makes the CP average exactly the one-rank mean (gradient and logged loss).
+    """
+    rolled, count = roll_tensor(tensor, shifts=shifts, dims=dims, cp_group=cp_group,
+                                packed_seq_params=packed_seq_params)
+    if not torch.is_tensor(count):
+        return rolled, max(count, 1)
+    cp = cp_group.size() if cp_group is not None and packed_seq_params is None else 1
+    if cp > 1:
+        count = count.detach().clone()
+        torch.distributed.all_reduce(count, group=cp_group)
+    return rolled, count.clamp(min=1) / cp if cp > 1 else count.clamp(min=1)
 
 
-gpt_model.roll_tensor = _roll_tensor_counting_at_least_one
+gpt_model.roll_tensor = _roll_tensor_sequence_count
 
 
 class SharedMultiTokenPredictionBlock(MultiTokenPredictionBlock):

@@ -16,7 +16,8 @@ class GLM5Model(GPTModel):
 
     GPTModel constructs its MTP block itself; the block spec given here has one layer, and the
     block is switched to :class:`SharedMultiTokenPredictionBlock` (same state, a forward that
-    applies that layer at every depth) so the parameters exist once.
+    applies that layer at every depth) so the parameters exist once. Its MTP losses
+    are sequence means under context parallelism (see ``mtp._roll_tensor_sequence_count``).
     """
 
     def __init__(self, *args, **kwargs):

@@ -259,6 +259,13 @@ def test_seq_length_divisible_by_twice_cp_is_accepted():
     assert check(ParallelConfig(cp=2), 2, seq_length=1028).dp == 1
 
 
+def test_tokens_per_cp_rank_not_divisible_by_tp_under_sequence_parallel():
+    assert_rejects(ParallelConfig(cp=2, tp=4, sequence_parallel=True), 8,
+                   "seq_length=1036 / parallel.cp=2 = 518 tokens per CP rank is not divisible by "
+                   "parallel.tp=4 (sequence parallel)", seq_length=1036)
+    assert check(ParallelConfig(cp=2, tp=2, sequence_parallel=True), 4, seq_length=1036).dp == 1
+
+
 def test_vpp_needs_pipeline():
     assert_rejects(ParallelConfig(pp=1, vpp=2), 1, "parallel.vpp=2 needs parallel.pp > 1")
 

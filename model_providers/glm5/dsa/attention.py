@@ -20,7 +20,9 @@ from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 
 from model_providers.glm5.dsa.indexer import LightningIndexer, select_topk
 from model_providers.glm5.dsa.kl import dense_kl, sparse_kl
+from model_providers.glm5.dsa.layout import TokenLayout
 from model_providers.glm5.dsa.sparse_attention import sparse_latent_attention
+from parallel.context_parallel import cp_size, gather_sequence, local_positions
 
 KL_TRACKER = "indexer_kl"
 
@@ -28,30 +30,57 @@ KL_TRACKER = "indexer_kl"
 class GLM5MLASelfAttention(MLASelfAttention):
     """megatron's MLA that also hands the DSA core attention what MLA computes on the way:
     the hidden states and q latent (indexer inputs), the normalised kv latent and the kv
-    up-projection (the absorbed form of sparse attention)."""
+    up-projection (the absorbed form of sparse attention). Under context parallelism it returns
+    local queries and full-sequence keys/values rebuilt from the all-gathered latent."""
 
     def get_query_key_value_tensors(self, hidden_states, *args, **kwargs):
         query, key, value, q_latent, kv_latent = super().get_query_key_value_tensors(
             hidden_states, *args, **kwargs)
+        kv_full = None
+        if cp_size() > 1:
+            key, value, kv_full = self._gathered_key_value(key, kv_latent)
         self.core_attention.latents = (hidden_states, q_latent, kv_latent,
-                                       self.linear_kv_up_proj.weight)
+                                       self.linear_kv_up_proj.weight, kv_full)
         return query, key, value, q_latent, kv_latent
+
+    def _gathered_key_value(self, key_local, kv_latent):
+        """Full-sequence key [L, b, n, qk] and value [L, b, n, v] for this rank's heads from the
+        CP-gathered kv latent [L, b, kv_lora_rank] and rope key (the gathered state per token
+        is kv_lora_rank + qk_rope values, not n * (qk + v))."""
+        cfg = self.config
+        nope = cfg.qk_head_dim
+        c_full = gather_sequence(_full_sequence(kv_latent, cfg.sequence_parallel))
+        k_rope = gather_sequence(key_local[:, :, 0, nope:])  # [L, b, rope]
+        n = key_local.shape[2]
+        kv = F.linear(c_full, self.linear_kv_up_proj.weight).view(*c_full.shape[:2], n, -1)
+        k_nope, value = kv.split([nope, cfg.v_head_dim], dim=-1)
+        key = torch.cat([k_nope, k_rope[:, :, None].expand(-1, -1, n, -1)], dim=-1)
+        return key.contiguous(), value.contiguous(), c_full
 
 
 def _full_sequence(t_sbh: torch.Tensor, sequence_parallel: bool) -> torch.Tensor:
     return gather_from_sequence_parallel_region(t_sbh) if sequence_parallel else t_sbh
 
 
+def _document_ids(attention_mask):
+    if attention_mask is None:
+        return None
+    if attention_mask.dim() != 2 or attention_mask.dtype.is_floating_point or attention_mask.dtype == torch.bool:
+        raise ValueError(
+            "DSACoreAttention takes per-token document ids [b, L] (int) in the attention_mask "
+            f"slot, got {attention_mask.dtype} {tuple(attention_mask.shape)}")
+    return attention_mask
+
+
 class DSACoreAttention(MegatronModule):
-    """Core attention for every DSA mode. query/key [s, b, n, qk], value [s, b, n, v] with
-    local (TP) heads and the full sequence -> [s, b, n * v]."""
+    """Core attention for every DSA mode. query [s, b, n, qk] (this rank's queries), key
+    [L, b, n, qk] and value [L, b, n, v] (the full sequence; L = s without CP) with local (TP)
+    heads -> [s, b, n * v]."""
 
     def __init__(self, config, layer_number, attn_mask_type, attention_type=None,
                  softmax_scale=None, k_channels=None, v_channels=None, cp_comm_type=None,
                  pg_collection=None, dsa=None, **unused):
         super().__init__(config=config)
-        if config.context_parallel_size > 1:
-            raise NotImplementedError("DSACoreAttention: context parallelism comes with the CP work")
         self.dsa = dsa
         self.layer_number = layer_number
         self.softmax_scale = softmax_scale
@@ -62,70 +91,95 @@ class DSACoreAttention(MegatronModule):
     def forward(self, query, key, value, attention_mask=None, attn_mask_type=None,
                 attention_bias=None, packed_seq_params=None, **unused):
         if packed_seq_params is not None:
-            raise NotImplementedError("DSA with packed sequences is not supported yet")
+            raise NotImplementedError("DSA takes packed documents as document ids in attention_mask, "
+                                      "not megatron's THD packed_seq_params")
         latents, self.latents = self.latents, None
+        s = query.shape[0]
+        layout = TokenLayout.build(s, key.shape[0], _document_ids(attention_mask),
+                                   local_positions(s, query.device), query.device)
         mode = self.dsa.mode
         if mode == "dense":
-            return self._dense(query, key, value)
-        iq, ik, iw = self._indexer_inputs(latents, query.shape[0])
+            return self._dense(query, key, value, layout)
+        iq, ik, iw = self._indexer_inputs(latents, layout)
         tp_group = parallel_state.get_tensor_model_parallel_group()
         if mode == "warmup":
-            out = self._dense(query, key, value)
-            kl = dense_kl(iq, ik, iw, query, key, self.softmax_scale, self.dsa.query_chunk, tp_group)
+            out = self._dense(query, key, value, layout)
+            kl = dense_kl(iq, ik, iw, query, key, self.softmax_scale, self.dsa.query_chunk,
+                          tp_group, layout)
         else:
-            out, kl = self._sparse(query, key, value, latents, iq, ik, iw, tp_group)
+            out, kl = self._sparse(query, key, value, latents, iq, ik, iw, tp_group, layout)
+        # kl is this rank's per-query mean; CP ranks hold equally many queries, so the mean over
+        # the CP group (the tracker's average) is the sequence mean. megatron scales aux losses
+        # by cp before DDP averages gradients over CP: divide by cp to get the mean's gradient.
         self._track(kl)
         if self.training and torch.is_grad_enabled():
-            out = MoEAuxLossAutoScaler.apply(out, self.dsa.kl_coeff * kl)
+            out = MoEAuxLossAutoScaler.apply(out, self.dsa.kl_coeff * kl / cp_size())
         return out
 
-    def _dense(self, query, key, value):
+    def _dense(self, query, key, value, layout: TokenLayout):
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.softmax_scale)
+        if layout.plain_causal:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.softmax_scale)
+        else:
+            visible = ~layout.hidden(0, query.shape[0])[:, None]  # [b or 1, 1, s, L]
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=self.softmax_scale)
         return out.permute(2, 0, 1, 3).reshape(query.shape[0], query.shape[1], -1)
 
-    def _indexer_inputs(self, latents, seq_len: int):
-        """Indexer projections from detached, full-sequence inputs: q [b,s,H,d], k [b,s,d], w."""
-        hidden, q_latent, _, _ = latents
+    def _indexer_inputs(self, latents, layout: TokenLayout):
+        """Indexer projections from detached inputs: q [b,s,H,d] and w [b,s,H] for this rank's
+        queries (RoPE at their global positions), k [b,L,d] for the full sequence (CP-gathered;
+        its gradient flows back to the ranks that computed it)."""
+        hidden, q_latent = latents[0], latents[1]
         sp = self.config.sequence_parallel
         with torch.no_grad():
             x = _full_sequence(hidden, sp).transpose(0, 1)
             qr = _full_sequence(q_latent, sp).transpose(0, 1)
-        positions = torch.arange(seq_len, device=x.device).expand(x.shape[0], seq_len)
-        return self.indexer.project(x.detach(), qr.detach(), positions)
+        positions = layout.q_pos.expand(x.shape[0], -1)
+        iq, ik, iw = self.indexer.project(x.detach(), qr.detach(), positions)
+        if cp_size() > 1:
+            ik = gather_sequence(ik.transpose(0, 1)).transpose(0, 1)
+        return iq, ik, iw
 
-    def _sparse(self, query, key, value, latents, iq, ik, iw, tp_group):
-        """Queries before position top-k see all their causal keys (top-k of fewer than k
-        candidates is all of them): exact dense attention there; the absorbed sparse kernel for
-        the rest. Both KL forms agree on the prefix (the selected set is every causal key)."""
+    def _sparse(self, query, key, value, latents, iq, ik, iw, tp_group, layout: TokenLayout):
+        """Queries at global positions before top-k see all their keys (top-k of fewer than k
+        candidates is all of them): exact dense attention there, over keys 0..k-1; the absorbed
+        sparse kernel for the rest. Local positions ascend, so these queries are a leading block
+        of rows. Both KL forms agree on the prefix (the selected set is every visible key)."""
         s = query.shape[0]
-        prefix = min(self.dsa.topk, s)
-        chunk = self.dsa.query_chunk
-        out = self._dense(query[:prefix], key[:prefix], value[:prefix])
-        kl = dense_kl(iq[:, :prefix], ik[:, :prefix], iw[:, :prefix], query[:prefix],
-                      key[:prefix], self.softmax_scale, chunk, tp_group) * prefix
+        topk, chunk = self.dsa.topk, self.dsa.query_chunk
+        kp = min(topk, key.shape[0])
+        prefix = int((layout.q_pos < topk).sum())
+        outs, kl = [], iq.new_zeros((), dtype=torch.float32)
+        if prefix:
+            head = layout.rows(0, prefix, kp)
+            outs.append(self._dense(query[:prefix], key[:kp], value[:kp], head))
+            kl = dense_kl(iq[:, :prefix], ik[:, :kp], iw[:, :prefix], query[:prefix], key[:kp],
+                          self.softmax_scale, chunk, tp_group, head) * prefix
         if prefix < s:
-            rest_out, rest_kl = self._sparse_rest(query, key, latents, iq, ik, iw, prefix, tp_group)
-            out = torch.cat([out, rest_out], dim=0)
+            rest_out, rest_kl = self._sparse_rest(query, key, latents, iq, ik, iw, prefix,
+                                                  tp_group, layout)
+            outs.append(rest_out)
             kl = kl + rest_kl * (s - prefix)
+        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
         return out, kl / s
 
-    def _sparse_rest(self, query, key, latents, iq, ik, iw, first: int, tp_group):
-        """Absorbed-form sparse attention for queries ``first..s-1`` over their top-k keys."""
-        _, _, kv_latent, kv_up_weight = latents
+    def _sparse_rest(self, query, key, latents, iq, ik, iw, first: int, tp_group, layout):
+        """Absorbed-form sparse attention for query rows ``first..s-1`` over their top-k keys."""
+        _, _, kv_latent, kv_up_weight, kv_full = latents
         cfg = self.config
         nope, rope, dv = cfg.qk_head_dim, cfg.qk_pos_emb_head_dim, cfg.v_head_dim
         s, b, n, _ = query.shape
         idx, valid = select_topk(iq[:, first:].detach(), ik.detach(), iw[:, first:].detach(),
-                                 self.dsa.topk, self.dsa.query_chunk, self.dsa.indexer_dtype, first)
+                                 self.dsa.topk, self.dsa.query_chunk, self.dsa.indexer_dtype,
+                                 first, layout)
         self.last_topk = (idx, valid)
         w = kv_up_weight.view(n, nope + dv, cfg.kv_lora_rank)
         w_uk, w_uv = w[:, :nope], w[:, nope:]
         q_nope, q_pe = query[first:].split([nope, rope], dim=-1)
         q_abs = torch.cat([torch.einsum("sbnd,ndc->bsnc", q_nope, w_uk),
                            q_pe.transpose(0, 1)], dim=-1)
-        c = _full_sequence(kv_latent, cfg.sequence_parallel)  # [s, b, kv_lora_rank]
-        kv = torch.cat([c, key[:, :, 0, nope:]], dim=-1).transpose(0, 1)  # [b, s, lora + rope]
+        c = kv_full if kv_full is not None else _full_sequence(kv_latent, cfg.sequence_parallel)
+        kv = torch.cat([c, key[:, :, 0, nope:]], dim=-1).transpose(0, 1)  # [b, L, lora + rope]
         o_lat, head_probs = sparse_latent_attention(
             q_abs.contiguous(), kv.contiguous(), idx, valid, self.softmax_scale,
             cfg.kv_lora_rank, self.dsa.query_chunk)

@@ -57,18 +57,22 @@ class LightningIndexer(MegatronModule):
         return q, k, w
 
 
-def index_logits(q, k, w, q_offset: int, dtype: str = "fp32") -> torch.Tensor:
-    """Causal indexer scores of a query chunk: q [b, c, H, d] (queries q_offset..q_offset+c-1),
-    k [b, L, d], w [b, c, H] -> [b, c, L] fp32, -inf where the key is in the future."""
+def index_logits(q, k, w, q_offset: int, dtype: str = "fp32", hidden=None) -> torch.Tensor:
+    """Indexer scores of a query chunk: q [b, c, H, d] (queries q_offset..q_offset+c-1),
+    k [b, L, d], w [b, c, H] -> [b, c, L] fp32, -inf where the key is hidden: in the future, or
+    where ``hidden`` ([b or 1, c, L] bool, from :class:`~.layout.TokenLayout`) says so."""
     if dtype != "fp32":
         from model_providers.glm5.dsa.fp8 import index_logits as quantised_index_logits
 
-        return quantised_index_logits(q, k, w, q_offset, dtype=dtype)
+        logits = quantised_index_logits(q, k, w, q_offset, dtype=dtype, causal=hidden is None)
+        return logits if hidden is None else logits.masked_fill(hidden, float("-inf"))
     b, c, h, d = q.shape
     per_head = torch.bmm(q.float().reshape(b, c * h, d), k.float().transpose(1, 2))  # [b, c*H, L]
     per_head = F.relu(per_head).view(b * c, h, -1)
     logits = torch.bmm(w.float().reshape(b * c, 1, h), per_head).view(b, c, -1)
-    return logits.masked_fill(causal_mask(q_offset, c, k.shape[1], q.device), float("-inf"))
+    if hidden is None:
+        hidden = causal_mask(q_offset, c, k.shape[1], q.device)
+    return logits.masked_fill(hidden, float("-inf"))
 
 
 def causal_mask(q_offset: int, c: int, length: int, device) -> torch.Tensor:
@@ -78,16 +82,21 @@ def causal_mask(q_offset: int, c: int, length: int, device) -> torch.Tensor:
 
 
 @torch.no_grad()
-def select_topk(q, k, w, topk: int, chunk: int, dtype: str = "fp32", first: int = 0):
-    """Deterministic top-k keys for queries ``first .. first + q.shape[1] - 1``: idx [b, s, k']
-    int64 and valid [b, s, k'] (k' = min(topk, L); invalid entries are future keys picked only
-    because fewer than k' causal keys exist)."""
+def select_topk(q, k, w, topk: int, chunk: int, dtype: str = "fp32", first: int = 0, layout=None):
+    """Deterministic top-k keys for query rows ``first .. first + q.shape[1] - 1``: idx
+    [b, s, k'] int64 and valid [b, s, k'] (k' = min(topk, L); invalid entries are keys the
+    query may not see, picked only because it sees fewer than k' keys). ``layout``
+    (:class:`~.layout.TokenLayout`) gives the rows' global positions and documents; None means
+    positions = row numbers, one document."""
     b, s = q.shape[:2]
     kk = min(topk, k.shape[1])
     idx = torch.empty(b, s, kk, dtype=torch.int64, device=q.device)
     for lo in range(0, s, chunk):
         hi = min(lo + chunk, s)
-        logits = index_logits(q[:, lo:hi], k, w[:, lo:hi], first + lo, dtype)
+        hidden = None if layout is None else layout.hidden(first + lo, first + hi)
+        logits = index_logits(q[:, lo:hi], k, w[:, lo:hi], first + lo, dtype, hidden)
         idx[:, lo:hi] = topk_indices(logits, kk)
+    if layout is not None:
+        return idx, layout.valid(idx, first)
     positions = torch.arange(first, first + s, device=q.device)[None, :, None]
     return idx, idx <= positions

@@ -21,32 +21,39 @@ def _kl_rows(target: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def dense_attention_target(query_sbnd, key_sbnd, scale: float, lo: int, hi: int, tp_group=None):
-    """Head-summed, normalised causal attention probabilities of queries lo..hi-1: [b, c, L]."""
+def dense_attention_target(query_sbnd, key_sbnd, scale: float, lo: int, hi: int, tp_group=None,
+                           layout=None):
+    """Head-summed, normalised attention probabilities of query rows lo..hi-1 over the keys
+    they see (``layout``: :class:`~.layout.TokenLayout`; None = causal): [b, c, L]."""
     q = query_sbnd[lo:hi].permute(1, 2, 0, 3).float()  # [b, n, c, D]
     k = key_sbnd.permute(1, 2, 3, 0).float()  # [b, n, D, L]
     scores = torch.matmul(q, k) * scale
-    scores.masked_fill_(causal_mask(lo, hi - lo, key_sbnd.shape[0], q.device), float("-inf"))
+    hidden = (causal_mask(lo, hi - lo, key_sbnd.shape[0], q.device) if layout is None
+              else layout.hidden(lo, hi)[:, None])
+    scores.masked_fill_(hidden, float("-inf"))
     probs = scores.softmax(dim=-1).sum(dim=1)  # [b, c, L]
     if tp_group is not None and torch.distributed.get_world_size(tp_group) > 1:
         torch.distributed.all_reduce(probs, group=tp_group)
     return probs / probs.sum(dim=-1, keepdim=True)
 
 
-def dense_kl(iq, ik, iw, query_sbnd, key_sbnd, scale: float, chunk: int, tp_group=None):
-    """Mean over the first ``iq.shape[1]`` queries of the dense-form KL (keys: all causal).
+def dense_kl(iq, ik, iw, query_sbnd, key_sbnd, scale: float, chunk: int, tp_group=None,
+             layout=None):
+    """Mean over the first ``iq.shape[1]`` queries of the dense-form KL (keys: all the query
+    sees, per ``layout``; None = all causal).
     iq/ik/iw: indexer projections (with grad). The logits here are fp32 (differentiable); the
     quantised indexer dtypes serve selection."""
     b, s = iq.shape[:2]
     total = iq.new_zeros((), dtype=torch.float32)
 
-    def chunk_kl(q_c, w_c, k_all, target, lo):
-        return _kl_rows(target, index_logits(q_c, k_all, w_c, lo))
+    def chunk_kl(q_c, w_c, k_all, target, lo, hidden):
+        return _kl_rows(target, index_logits(q_c, k_all, w_c, lo, hidden=hidden))
 
     for lo in range(0, s, chunk):
         hi = min(lo + chunk, s)
-        target = dense_attention_target(query_sbnd, key_sbnd, scale, lo, hi, tp_group)
-        total = total + checkpoint(chunk_kl, iq[:, lo:hi], iw[:, lo:hi], ik, target, lo,
+        target = dense_attention_target(query_sbnd, key_sbnd, scale, lo, hi, tp_group, layout)
+        hidden = None if layout is None else layout.hidden(lo, hi)
+        total = total + checkpoint(chunk_kl, iq[:, lo:hi], iw[:, lo:hi], ik, target, lo, hidden,
                                    use_reentrant=False)
     return total / (b * s)
 

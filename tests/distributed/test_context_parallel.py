@@ -1,0 +1,60 @@
+"""All-gather context parallelism for MLA + DSA through the real training entry point: the tiny
+GLM-5 (fp32, 5 steps, one initial checkpoint written at one rank) gives the same per-step losses
+under CP2 and CP2 x TP2 (+SP) as on one rank, in dense, warm-up and sparse DSA modes and on the
+packed long-context mixture (document masks, position resets).
+
+Sequence 512 rather than the issue's 1024: the machine these run on has 2 shared CPU cores."""
+
+import pytest
+
+from tests.launch import read_metrics, run_train
+
+STEPS = 5
+SEQ = 512
+REL_TOL = 1e-5
+CASES = {  # name: (nproc, overrides)
+    "dense_cp2": (2, ["parallel=cp2", "model.dsa.mode=dense"]),
+    "warmup_cp2": (2, ["parallel=cp2", "model.dsa.mode=warmup"]),
+    "sparse_cp2": (2, ["parallel=cp2", "model.dsa.mode=sparse"]),
+    "packed_sparse_cp2": (2, ["parallel=cp2", "model.dsa.mode=sparse", "data.mixture=long_context"]),
+    "packed_sparse_cp2_tp2": (4, ["parallel=cp2_tp2", "model.dsa.mode=sparse",
+                                  "data.mixture=long_context"]),
+}
+
+
+@pytest.fixture(scope="module")
+def init_checkpoint(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cp")
+    run_train([f"trainer.run_dir={root / 'init'}", "trainer.steps=0"])
+    return root, root / "init" / "checkpoints" / "iter_0000000"
+
+
+def _common(ckpt, run_dir):
+    return [f"trainer.run_dir={run_dir}", f"trainer.steps={STEPS}", f"trainer.seq_length={SEQ}",
+            "trainer.global_batch_size=4", "trainer.micro_batch_size=2", "model.dsa.topk=64",
+            f"checkpoint.init_from={ckpt}", "checkpoint.save_at_end=false"]
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("case", list(CASES))
+def test_context_parallel_losses_match_one_rank(init_checkpoint, case):
+    root, ckpt = init_checkpoint
+    nproc, overrides = CASES[case]
+    single = [o for o in overrides if not o.startswith("parallel=")]
+    run_train(_common(ckpt, root / f"{case}_one") + single)
+    summary = run_train(_common(ckpt, root / case) + overrides, nproc=nproc)
+    assert summary["world_size"] == nproc and summary["steps"] == STEPS
+    ref, got = read_metrics(str(root / f"{case}_one")), read_metrics(str(root / case))
+    assert [r["step"] for r in got] == list(range(1, STEPS + 1))
+    keys = ["lm_loss", "mtp_loss", "loss", "grad_norm"]
+    if "mode=dense" not in " ".join(overrides):
+        keys.append("indexer_kl")
+        assert all(r["indexer_kl"] > 0 for r in ref)
+    for want, have in zip(ref, got):
+        for key in keys:
+            # the KL (~3e-4 here) is a difference of two O(1) sums: fp32 summation order under CP
+            # moves it by ~5e-9 absolute (seen at step 4 of sparse_cp2, all else within 1e-5)
+            tol = dict(rel=REL_TOL, abs=1e-8 if key == "indexer_kl" else 0)
+            assert have[key] == pytest.approx(want[key], **tol), (case, want["step"], key)
+    moved = "indexer_kl" if "mode=warmup" in " ".join(overrides) else "lm_loss"
+    assert ref[-1][moved] < ref[0][moved]  # it trained: parity of a frozen model proves little
