@@ -163,11 +163,13 @@ def save(ckpt_dir: str, model_chunks, optimizer, scheduler, state: TrainState, c
 
 
 def _apply_retention(ckpt_dir: str, keep_last: int) -> None:
+    """Keep the newest ``keep_last`` checkpoints and every stage's final one."""
     if keep_last <= 0:
         return
-    done = sorted(d for d in os.listdir(ckpt_dir) if d.startswith("iter_") and not d.endswith(".tmp")
-                  and not os.path.exists(os.path.join(ckpt_dir, d, STAGE_FINAL)))
+    done = sorted(d for d in os.listdir(ckpt_dir) if d.startswith("iter_") and not d.endswith(".tmp"))
     for old in done[:-keep_last]:
+        if os.path.exists(os.path.join(ckpt_dir, old, STAGE_FINAL)):
+            continue
         shutil.rmtree(os.path.join(ckpt_dir, old), ignore_errors=True)
 
 

@@ -138,6 +138,8 @@ class _StageTrainer:
 
         stage, rc = self.stage, self.stage.rc
         t = rc.trainer
+        if stage.steps == 0 and self.save_final:  # trainer.steps=0: write the initial weights
+            self._save(state, chunks, stage_final=True)
         while state.stage_step < stage.steps:
             lr = self.optimizer.param_groups[0]["lr"]  # the LR this step uses
             position = stage.data_offset + state.consumed_samples
@@ -178,7 +180,7 @@ class _StageTrainer:
             "mixture": rc.data.mixture,
             "global_batch_size": t.global_batch_size,
             "consumed_tokens": state.consumed_tokens,
-            **{f"tokens_{c}": n for c, n in sorted(state.category_tokens.items())},
+            **dict(sorted(state.category_tokens.items())),
             "loss": stats.lm_loss + m.mtp_loss_scale * mtp + self.aux_coeff * stats.moe_aux_loss
             + m.dsa.kl_coeff * sum(stats.indexer_kl),
             "lm_loss": stats.lm_loss,
