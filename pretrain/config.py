@@ -12,6 +12,7 @@ from omegaconf import OmegaConf
 from data_pipeline.config import DataConfig
 from model_providers.glm5.config import GLM5Config, PrecisionConfig
 from parallel.config import ParallelConfig
+from pretrain.faults import FaultsConfig
 
 
 @dataclass
@@ -83,6 +84,7 @@ class RunConfig:
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    faults: FaultsConfig = field(default_factory=FaultsConfig)
 
 
 def register() -> None:

@@ -16,18 +16,22 @@ from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelpe
 
 from data_pipeline.batches import micro_batches
 from model_providers.glm5.dsa.attention import KL_TRACKER
+from pretrain.faults import step_is_finite
 
 
-def lm_loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
-    """Token-summed LM loss; megatron's schedule divides by tokens and micro-batches."""
+def lm_loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor, poison: bool = False):
+    """Token-summed LM loss; megatron's schedule divides by tokens and micro-batches.
+    ``poison`` (test hook, ``faults.poison_loss_at_steps``) makes it NaN."""
     losses = output_tensor.float()
     mask = loss_mask.float()
     loss_sum = torch.sum(losses * mask)
+    if poison:
+        loss_sum = loss_sum * float("nan")
     num_tokens = mask.sum().to(torch.int)
     return loss_sum, num_tokens, {"lm": torch.stack([loss_sum.detach(), mask.sum()])}
 
 
-def forward_step(data_iterator, model):
+def forward_step(data_iterator, model, poison: bool = False):
     batch = next(data_iterator)
     output = model(
         batch["tokens"],
@@ -36,7 +40,7 @@ def forward_step(data_iterator, model):
         labels=batch["labels"],
         loss_mask=batch["loss_mask"],
     )
-    return output, partial(lm_loss_func, batch["loss_mask"])
+    return output, partial(lm_loss_func, batch["loss_mask"], poison=poison)
 
 
 @dataclass
@@ -88,7 +92,9 @@ def _reporting_rank() -> bool:
 
 
 def train_step(ddp_chunks, optimizer, scheduler, dataset, consumed_samples: int, trainer_cfg,
-               probe: LoadImbalanceProbe, mtp_steps: int) -> StepStats:
+               probe: LoadImbalanceProbe, mtp_steps: int, poison: bool = False) -> StepStats:
+    """One optimizer step over a global batch. A step whose loss or gradients are non-finite on
+    any rank is not applied (``skipped``); ``poison`` is the NaN test hook."""
     t0 = time.perf_counter()
     dp_rank = parallel_state.get_data_parallel_rank()
     dp_size = parallel_state.get_data_parallel_world_size()
@@ -99,7 +105,7 @@ def train_step(ddp_chunks, optimizer, scheduler, dataset, consumed_samples: int,
         c.zero_grad_buffer()
     optimizer.zero_grad()
     losses = get_forward_backward_func()(
-        forward_step_func=forward_step,
+        forward_step_func=partial(forward_step, poison=poison),
         data_iterator=iters if len(iters) > 1 else iters[0],
         model=ddp_chunks,
         num_microbatches=len(batches),
@@ -107,14 +113,18 @@ def train_step(ddp_chunks, optimizer, scheduler, dataset, consumed_samples: int,
         micro_batch_size=trainer_cfg.micro_batch_size,
         forward_only=False,
     )
-    ok, grad_norm, _ = optimizer.step()
-    if ok:
-        scheduler.step(increment=1)
-
     report = torch.zeros(2 + mtp_steps, dtype=torch.float64)
     if _reporting_rank():
         for out in losses:
             report[:2] += out["lm"].double()
+    if step_is_finite(report[:1], ddp_chunks):
+        ok, grad_norm, _ = optimizer.step()  # fp16: megatron itself skips on found-inf (ok False)
+    else:
+        ok, grad_norm = False, None
+    if ok:
+        scheduler.step(increment=1)
+
+    if _reporting_rank():
         values = MTPLossLoggingHelper.tracker.get("values")
         if values is not None and mtp_steps:
             report[2:] = values.double() / (len(batches) * dp_size)

@@ -22,8 +22,11 @@ class MetricsSink:
             return
         self.jsonl = open(os.path.join(run_dir, "metrics.jsonl"), "a")
         if cfg.wandb.mode != "disabled":
-            self.wandb_run = _start_wandb(cfg, run_dir, run_name, config_dict, wandb_run_id)
+            id_file = os.path.join(run_dir, "wandb", RUN_ID_FILE)
+            run_id = _read_run_id(id_file) or wandb_run_id
+            self.wandb_run = _start_wandb(cfg, run_dir, run_name, config_dict, run_id)
             self.wandb_run_id = self.wandb_run.id
+            _write_run_id(id_file, self.wandb_run_id)
         if cfg.progress_bar:
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
@@ -40,8 +43,7 @@ class MetricsSink:
         self.jsonl.write(json.dumps(record) + "\n")
         self.jsonl.flush()
         if self.wandb_run is not None:
-            self.wandb_run.log({k: v for k, v in record.items() if isinstance(v, (int, float))},
-                               step=record["step"])
+            self.wandb_run.log({k: v for k, v in record.items() if v is not None}, step=record["step"])
         line = (
             f"step {record['step']:>5} | loss {record['loss']:.4f} | lm {record['lm_loss']:.4f} | "
             f"mtp {record.get('mtp_loss', float('nan')):.4f} | lr {record['lr']:.2e} | "
@@ -63,6 +65,28 @@ class MetricsSink:
         self.jsonl.close()
         if self.wandb_run is not None:
             self.wandb_run.finish()
+
+
+#: ``<run_dir>/wandb/run_id``: written when the W&B run starts, so a job that is requeued or
+#: restarted before its first checkpoint still appends to the same run
+RUN_ID_FILE = "run_id"
+
+
+def _read_run_id(path: str) -> Optional[str]:
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return f.read().strip() or None
+
+
+def _write_run_id(path: str, run_id: str) -> None:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.write(run_id)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
 
 
 def _start_wandb(cfg: LoggerConfig, run_dir: str, run_name: str, config_dict: dict,

@@ -14,6 +14,7 @@ import hydra
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
+from pretrain import faults
 from pretrain.config import RunConfig, register, to_run_config
 
 register()
@@ -46,6 +47,7 @@ def validate(rc: RunConfig, world_size: int):
     if t.steps < 0:
         problems.append(f"trainer.steps={t.steps} must be >= 0")
     problems += check_data(rc.data, rc.model.vocab_size)
+    problems += faults.check(rc.faults, t.steps)
     if rc.logger.wandb.mode not in ("online", "offline", "disabled"):
         problems.append(f"logger.wandb.mode={rc.logger.wandb.mode!r} must be online, offline or disabled")
     if problems:
@@ -81,6 +83,8 @@ def run(rc: RunConfig, config_yaml: str) -> dict:
 
     env = dist_env()
     validate(rc, env.world_size)
+    preemption = faults.PreemptionSignal()  # USR1/SIGTERM -> save after the current step, exit
+    nonfinite = faults.NonFinitePolicy(rc.faults)
     backend = resolve_backend(rc.model.layer_backend)
     initialize(rc.parallel, rc.trainer.seed, env)
     t = rc.trainer
@@ -129,7 +133,7 @@ def run(rc: RunConfig, config_yaml: str) -> dict:
 
     while state.step < t.steps:
         stats = train_step(ddp, optimizer, scheduler, dataset, state.consumed_samples, t, probe,
-                           mtp_steps)
+                           mtp_steps, poison=nonfinite.poison(state.step + 1))
         state.step += 1
         state.consumed_samples += t.global_batch_size
         mtp = sum(stats.mtp_losses) / len(stats.mtp_losses) if stats.mtp_losses else 0.0
@@ -150,16 +154,23 @@ def run(rc: RunConfig, config_yaml: str) -> dict:
             "lr": scheduler.get_lr(optimizer.param_groups[0]),
             "grad_norm": stats.grad_norm,
             "skipped": stats.skipped,
+            "checkpoint_reloads": nonfinite.reloads,
             "step_time_s": stats.seconds,
             "tokens_per_s": tokens_per_step / stats.seconds,
             "tflops_per_s": flops_per_step / stats.seconds / 1e12 / env.world_size,
         }
         sink.log(record)
+        if nonfinite.should_reload(stats.skipped, state.step):
+            faults.reload_last_checkpoint(ckpt_dir, chunks, optimizer, scheduler, state.step)
         if rc.checkpoint.save_every and state.step % rc.checkpoint.save_every == 0:
             save()
-    if rc.checkpoint.save_at_end and not _saved(ckpt_dir, state.step):
+        if state.step < t.steps and preemption.agreed():
+            break
+    preempted = state.step < t.steps
+    if (rc.checkpoint.save_at_end or preempted) and not _saved(ckpt_dir, state.step):
         save()
     sink.close()
+    preemption.restore()
 
     history = _read_metrics(os.path.join(run_dir, "metrics.jsonl")) if env.rank == 0 else []
     summary = {
@@ -176,6 +187,7 @@ def run(rc: RunConfig, config_yaml: str) -> dict:
             "end_loss": history[-1]["loss"] if history else None,
         }],
         "world_size": env.world_size,
+        "preempted": preempted,
     }
     parallel_state.destroy_model_parallel()
     dist.barrier()
@@ -211,6 +223,8 @@ def main(cfg: DictConfig) -> None:
     summary = run(rc, OmegaConf.to_yaml(cfg, resolve=True))
     if int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", 0))) == 0:
         print(json.dumps(summary), flush=True)
+    if summary["preempted"]:
+        raise SystemExit(faults.PREEMPTED_EXIT)  # slurm/pretrain.sh requeues the job
 
 
 if __name__ == "__main__":
