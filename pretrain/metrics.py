@@ -43,7 +43,10 @@ class MetricsSink:
         self.jsonl.write(json.dumps(record) + "\n")
         self.jsonl.flush()
         if self.wandb_run is not None:
-            self.wandb_run.log({k: v for k, v in record.items() if v is not None}, step=record["step"])
+            try:
+                self.wandb_run.log({k: v for k, v in record.items() if v is not None}, step=record["step"])
+            except Exception as e:  # e.g. a job-wide SIGTERM also ended the wandb-core service
+                self._drop_wandb(e)
         line = (
             f"step {record['step']:>5} | loss {record['loss']:.4f} | lm {record['lm_loss']:.4f} | "
             f"mtp {record.get('mtp_loss', float('nan')):.4f} | lr {record['lr']:.2e} | "
@@ -64,7 +67,18 @@ class MetricsSink:
             self.progress.stop()
         self.jsonl.close()
         if self.wandb_run is not None:
-            self.wandb_run.finish()
+            try:
+                self.wandb_run.finish()
+            except Exception as e:
+                self._drop_wandb(e)
+
+    def _drop_wandb(self, error: Exception) -> None:
+        """W&B is a mirror of metrics.jsonl: losing it must not stop the run (or its last save)."""
+        import logging
+
+        logging.getLogger(__name__).warning("W&B logging stopped (%s: %s); metrics.jsonl continues",
+                                            error.__class__.__name__, error)
+        self.wandb_run = None
 
 
 #: ``<run_dir>/wandb/run_id``: written when the W&B run starts, so a job that is requeued or
