@@ -104,6 +104,7 @@ def train_step(ddp_chunks, optimizer, scheduler, dataset, consumed_samples: int,
     for c in ddp_chunks:
         c.zero_grad_buffer()
     optimizer.zero_grad()
+    expert_bias = [r.expert_bias.detach().clone() for r in probe.routers]
     losses = get_forward_backward_func()(
         forward_step_func=partial(forward_step, poison=poison),
         data_iterator=iters if len(iters) > 1 else iters[0],
@@ -119,8 +120,10 @@ def train_step(ddp_chunks, optimizer, scheduler, dataset, consumed_samples: int,
             report[:2] += out["lm"].double()
     if step_is_finite(report[:1], ddp_chunks):
         ok, grad_norm, _ = optimizer.step()  # fp16: megatron itself skips on found-inf (ok False)
-    else:
+    else:  # nothing of a skipped step is applied: undo its aux-loss-free expert-bias update too
         ok, grad_norm = False, None
+        for router, bias in zip(probe.routers, expert_bias):
+            router.expert_bias.copy_(bias)
     if ok:
         scheduler.step(increment=1)
 
