@@ -86,3 +86,50 @@ def test_bad_steps_in_a_row_reload_last_checkpoint(tmp_path):
     assert _same_state(tmp_path, ckpts / "iter_0000003", ckpts / "iter_0000006")
     # applied updates: 1, 3, 4 -> back to 1, 3 at the reload -> step 7 is the 3rd, like step 4
     assert m[6]["lr"] == m[3]["lr"]
+
+
+@pytest.mark.heavy
+def test_sigterm_to_one_rank_stops_all_at_the_same_step(tmp_path):
+    """SIGTERM reaches only rank 1 of 2 (torchrun, no Slurm): the ranks agree to stop after the
+    same step, the checkpoint of that step is complete, and the ranks exit with 75."""
+    import json
+    import os
+    import signal
+    import time
+
+    import psutil
+
+    from pretrain import checkpoint
+    from pretrain.faults import PREEMPTED_EXIT
+
+    run_dir = tmp_path / "run"
+    steps = 8
+    out_path, err_path = tmp_path / "stdout", tmp_path / "stderr"
+    with open(out_path, "w") as out_f, open(err_path, "w") as err_f:
+        proc = subprocess.Popen(
+            train_command([*QUIET, *COMMON, f"trainer.run_dir={run_dir}", f"trainer.steps={steps}",
+                           "trainer.micro_batch_size=2"], nproc=2),
+            cwd=REPO, env=train_env(2), stdout=out_f, stderr=err_f)
+    try:
+        deadline = time.time() + 400
+        while not (run_dir / "metrics.jsonl").exists() or len(read_metrics(str(run_dir))) < 2:
+            assert proc.poll() is None and time.time() < deadline, "no second step"
+            time.sleep(0.2)
+        (rank1,) = [c for c in psutil.Process(proc.pid).children() if c.environ().get("RANK") == "1"]
+        rank1.send_signal(signal.SIGTERM)
+        proc.wait(timeout=400)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    out, err = out_path.read_text(), err_path.read_text()
+    # rank 0 never got a signal: that it stopped logging and joined the (collective) save of the
+    # same step shows the agreement; torchrun reports the ranks' exit status
+    stopped = len(read_metrics(str(run_dir)))
+    assert 2 <= stopped < steps, stopped
+    assert f"exitcode  : {PREEMPTED_EXIT}" in err, err[-3000:]
+    latest = checkpoint.latest_checkpoint(str(run_dir / "checkpoints"))
+    assert os.path.basename(latest) == f"iter_{stopped:07d}"
+    assert checkpoint.verify(latest) is None
+    lines = [ln for ln in out.splitlines() if ln.startswith('{"run_dir"')]
+    if lines:  # torchrun may stop rank 0 between its barrier and its print
+        assert json.loads(lines[-1])["preempted"] and json.loads(lines[-1])["steps"] == stopped
