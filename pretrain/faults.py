@@ -16,6 +16,7 @@
 
 from __future__ import annotations
 
+import logging
 import signal
 from dataclasses import dataclass, field
 from typing import List
@@ -118,8 +119,6 @@ class NonFinitePolicy:
 def reload_last_checkpoint(ckpt_dir: str, model_chunks, optimizer, scheduler, step: int) -> str:
     """Weights, optimizer, LR schedule and RNG from the newest complete checkpoint; the caller
     keeps its step and data position (the batches since that checkpoint are not replayed)."""
-    import logging
-
     from pretrain import checkpoint
 
     path = checkpoint.latest_checkpoint(ckpt_dir)

@@ -25,6 +25,7 @@ from typing import Optional
 
 PACKAGES = ["slurm-wlm", "munge"]
 DAEMONS = ["slurmctld", "slurmd", "munged"]
+CLIENTS = ["sbatch", "srun", "scontrol", "squeue", "scancel", "sinfo"]
 
 
 class SlurmSetupError(RuntimeError):
@@ -47,7 +48,7 @@ def _run(cmd: list[str], timeout: float, env: Optional[dict] = None) -> subproce
 
 def install_packages(timeout: float = 900) -> None:
     """apt-get install slurm-wlm munge when a daemon binary is missing."""
-    if all(shutil.which(d) for d in DAEMONS + ["sbatch", "mungekey"]):
+    if all(shutil.which(d) for d in DAEMONS + CLIENTS):
         return
     if shutil.which("apt-get") is None:
         raise SlurmUnavailable("Slurm is not installed and this platform has no apt-get to install it")
@@ -59,7 +60,7 @@ def install_packages(timeout: float = 900) -> None:
             raise SlurmSetupError(f"`{' '.join(cmd)}` did not finish in {timeout:.0f} s")
         if proc.returncode != 0:
             raise SlurmSetupError(f"`{' '.join(cmd)}` failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
-    missing = [d for d in DAEMONS + ["sbatch"] if shutil.which(d) is None]
+    missing = [d for d in DAEMONS + CLIENTS if shutil.which(d) is None]
     if missing:
         raise SlurmSetupError(f"{PACKAGES} installed but {missing} are still not on PATH")
 
