@@ -1,12 +1,17 @@
 """Checkpoints with megatron dist_checkpointing (torch_dist format), written atomically.
 
 Layout: ``<dir>/iter_<step:07d>/`` per save and a ``latest`` file naming the newest complete
-one. A save goes to ``iter_<step>.tmp`` and is renamed only after every rank finished, and
-``latest`` is replaced last, so a crash never leaves something that looks complete.
+one. A save goes to ``iter_<step>.tmp``; after every rank finished, rank 0 writes
+``manifest.json`` (every file's size) into it, fsyncs the files, renames the folder, fsyncs the
+parent and replaces ``latest`` last, so a crash never leaves something that looks complete.
+Resuming verifies the folder against its manifest and falls back, with a warning, to the newest
+older folder that verifies (a truncated or missing file, a lost manifest, a dangling ``latest``).
 """
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 import random
 import shutil
@@ -23,6 +28,9 @@ from parallel import cpu_emulation
 
 LATEST = "latest"
 STAGE_FINAL = "STAGE_FINAL"  #: marker file in a stage's final checkpoint; retention keeps those
+MANIFEST = "manifest.json"
+
+log = logging.getLogger(__name__)
 
 
 def _sharding_metadata() -> dict:
@@ -102,15 +110,71 @@ def iter_dir(ckpt_dir: str, step: int) -> str:
     return os.path.join(ckpt_dir, f"iter_{step:07d}")
 
 
+def write_manifest(folder: str) -> None:
+    """Record every file's size (relative path -> bytes), written last into the folder.
+    Sizes, not hashes: truncation and missing files are what a crash or a partial copy leaves,
+    and hashing a multi-terabyte checkpoint on every resume would cost minutes."""
+    files = {}
+    for dirpath, _, names in os.walk(folder):
+        for name in names:
+            full = os.path.join(dirpath, name)
+            files[os.path.relpath(full, folder)] = os.path.getsize(full)
+    _write_atomic(os.path.join(folder, MANIFEST), json.dumps({"files": files}, indent=0, sort_keys=True))
+
+
+def verify(folder: str) -> Optional[str]:
+    """None when ``folder`` holds every file of its manifest at the recorded size, else why not."""
+    manifest = os.path.join(folder, MANIFEST)
+    try:
+        with open(manifest) as f:
+            files = json.load(f)["files"]
+    except (OSError, ValueError, KeyError) as e:
+        return f"no readable {MANIFEST} ({e.__class__.__name__})"
+    if "metadata.json" not in files:
+        return f"{MANIFEST} lists no metadata.json"
+    for rel, size in files.items():
+        path = os.path.join(folder, rel)
+        if not os.path.isfile(path):
+            return f"{rel} is missing"
+        if os.path.getsize(path) != size:
+            return f"{rel} has {os.path.getsize(path)} bytes, {size} expected"
+    return None
+
+
 def latest_checkpoint(ckpt_dir: str) -> Optional[str]:
-    """The newest complete checkpoint folder, or None."""
-    pointer = os.path.join(ckpt_dir, LATEST)
-    if not os.path.exists(pointer):
+    """The newest complete checkpoint folder, or None: ``latest`` when it verifies, else the
+    newest older ``iter_*`` folder that does (with a warning naming what was wrong)."""
+    if not os.path.isdir(ckpt_dir):
         return None
-    with open(pointer) as f:
-        name = f.read().strip()
-    path = os.path.join(ckpt_dir, name)
-    return path if os.path.isdir(path) else None
+    pointer = os.path.join(ckpt_dir, LATEST)
+    named = None
+    if os.path.exists(pointer):
+        with open(pointer) as f:
+            named = f.read().strip()
+    done = sorted((d for d in os.listdir(ckpt_dir) if d.startswith("iter_") and not d.endswith(".tmp")),
+                  reverse=True)
+    if named is None and not done:
+        return None
+    if named is not None:  # `latest` is the commit point: a newer folder was never committed
+        done = [d for d in done if d <= named]
+        if named not in done:
+            done.insert(0, named)
+    problems = []
+    for name in done:
+        path = os.path.join(ckpt_dir, name)
+        why = verify(path) if os.path.isdir(path) else "folder is missing"
+        if why is None:
+            if problems:
+                _warn(f"checkpoint fallback to {path}: " + "; ".join(problems))
+            return path
+        problems.append(f"{name}: {why}")
+    raise RuntimeError(f"no complete checkpoint in {ckpt_dir} ({'; '.join(problems)}); refusing to "
+                       "start from scratch over them: move them away or set checkpoint.resume=false")
+
+
+def _warn(message: str) -> None:
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        log.warning(message)
 
 
 def _write_atomic(path: str, text: str) -> None:
@@ -120,16 +184,23 @@ def _write_atomic(path: str, text: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+    _fsync(os.path.dirname(os.path.abspath(path)))
+
+
+def _fsync(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _fsync_tree(path: str) -> None:
+    """File contents and directory entries of a tree, so a rename after it publishes data."""
     for dirpath, _, files in os.walk(path):
         for name in files:
-            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            _fsync(os.path.join(dirpath, name))
+        _fsync(dirpath)
 
 
 def save(ckpt_dir: str, model_chunks, optimizer, scheduler, state: TrainState, config_yaml: str,
@@ -153,9 +224,11 @@ def save(ckpt_dir: str, model_chunks, optimizer, scheduler, state: TrainState, c
     if dist.get_rank() == 0:
         if stage_final:
             _write_atomic(os.path.join(tmp, STAGE_FINAL), state.stage)
+        write_manifest(tmp)
         _fsync_tree(tmp)
         shutil.rmtree(final, ignore_errors=True)
         os.rename(tmp, final)
+        _fsync(ckpt_dir)
         _write_atomic(os.path.join(ckpt_dir, LATEST), os.path.basename(final))
         _apply_retention(ckpt_dir, keep_last)
     dist.barrier()
@@ -193,6 +266,7 @@ def load(path: str, model_chunks, optimizer=None, scheduler=None) -> TrainState:
         return TrainState()
     optimizer.load_state_dict(loaded["optimizer"])
     if scheduler is not None:
+        scheduler.num_steps = 0  # megatron's load_state_dict *adds* the saved step count
         scheduler.load_state_dict(common["scheduler"])
     if "rng_state" in loaded:
         _set_rng_state(loaded["rng_state"])

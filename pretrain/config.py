@@ -13,6 +13,7 @@ from data_pipeline.config import DataConfig
 from model_providers.glm5.config import GLM5Config, PrecisionConfig
 from parallel.config import ParallelConfig
 from pretrain.curriculum import CurriculumConfig
+from pretrain.faults import FaultsConfig
 
 
 @dataclass
@@ -88,6 +89,7 @@ class RunConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     curriculum: CurriculumConfig = field(default_factory=CurriculumConfig)
+    faults: FaultsConfig = field(default_factory=FaultsConfig)
 
 
 def register() -> None:

@@ -17,17 +17,21 @@ from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelpe
 from data_pipeline.batches import micro_batches
 from model_providers.glm5.dsa.attention import KL_TRACKER
 from parallel.context_parallel import batch_on_this_cp_rank
+from pretrain.faults import step_is_finite
 
 
-def lm_loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
+def lm_loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor, poison: bool = False):
     """Token-summed LM loss; megatron's schedule divides by tokens and micro-batches.
 
     Under context parallelism each rank holds part of the tokens and DDP averages gradients over
     the CP group: the divisor is the whole sequence's token count and the sum is scaled by cp,
-    so the averaged gradient is the one-rank gradient (the reported sums stay local)."""
+    so the averaged gradient is the one-rank gradient (the reported sums stay local).
+    ``poison`` (test hook, ``faults.poison_loss_at_steps``) makes it NaN."""
     losses = output_tensor.float()
     mask = loss_mask.float()
     loss_sum = torch.sum(losses * mask)
+    if poison:
+        loss_sum = loss_sum * float("nan")
     report = torch.stack([loss_sum.detach(), mask.sum()])
     num_tokens = mask.sum()
     cp = parallel_state.get_context_parallel_world_size()
@@ -47,7 +51,7 @@ def document_mask(document_ids: torch.Tensor | None) -> torch.Tensor | None:
     return document_ids
 
 
-def forward_step(data_iterator, model):
+def forward_step(data_iterator, model, poison: bool = False):
     batch = batch_on_this_cp_rank(next(data_iterator))
     output = model(
         batch["tokens"],
@@ -56,7 +60,7 @@ def forward_step(data_iterator, model):
         labels=batch["labels"],
         loss_mask=batch["loss_mask"],
     )
-    return output, partial(lm_loss_func, batch["loss_mask"])
+    return output, partial(lm_loss_func, batch["loss_mask"], poison=poison)
 
 
 @dataclass
@@ -109,7 +113,9 @@ def _reporting_rank() -> bool:
 
 
 def train_step(ddp_chunks, optimizer, scheduler, dataset, consumed_samples: int, trainer_cfg,
-               probe: LoadImbalanceProbe, mtp_steps: int) -> StepStats:
+               probe: LoadImbalanceProbe, mtp_steps: int, poison: bool = False) -> StepStats:
+    """One optimizer step over a global batch. A step whose loss or gradients are non-finite on
+    any rank is not applied (``skipped``); ``poison`` is the NaN test hook."""
     t0 = time.perf_counter()
     dp_rank = parallel_state.get_data_parallel_rank()
     dp_size = parallel_state.get_data_parallel_world_size()
@@ -119,8 +125,9 @@ def train_step(ddp_chunks, optimizer, scheduler, dataset, consumed_samples: int,
     for c in ddp_chunks:
         c.zero_grad_buffer()
     optimizer.zero_grad()
+    expert_bias = [r.expert_bias.detach().clone() for r in probe.routers]
     losses = get_forward_backward_func()(
-        forward_step_func=forward_step,
+        forward_step_func=partial(forward_step, poison=poison),
         data_iterator=iters if len(iters) > 1 else iters[0],
         model=ddp_chunks,
         num_microbatches=len(batches),
@@ -128,14 +135,20 @@ def train_step(ddp_chunks, optimizer, scheduler, dataset, consumed_samples: int,
         micro_batch_size=trainer_cfg.micro_batch_size,
         forward_only=False,
     )
-    ok, grad_norm, _ = optimizer.step()
-    if ok:
-        scheduler.step(increment=1)
-
     report = torch.zeros(2 + mtp_steps, dtype=torch.float64)
     if _reporting_rank():
         for out in losses:
             report[:2] += out["lm"].double()
+    if step_is_finite(report[:1], ddp_chunks):
+        ok, grad_norm, _ = optimizer.step()  # fp16: megatron itself skips on found-inf (ok False)
+    else:  # nothing of a skipped step is applied: undo its aux-loss-free expert-bias update too
+        ok, grad_norm = False, None
+        for router, bias in zip(probe.routers, expert_bias):
+            router.expert_bias.copy_(bias)
+    if ok:
+        scheduler.step(increment=1)
+
+    if _reporting_rank():
         values = MTPLossLoggingHelper.tracker.get("values")
         if values is not None and mtp_steps:
             cp = parallel_state.get_context_parallel_world_size()  # every CP rank reports

@@ -22,8 +22,11 @@ class MetricsSink:
             return
         self.jsonl = open(os.path.join(run_dir, "metrics.jsonl"), "a")
         if cfg.wandb.mode != "disabled":
-            self.wandb_run = _start_wandb(cfg, run_dir, run_name, config_dict, wandb_run_id)
+            id_file = os.path.join(run_dir, "wandb", RUN_ID_FILE)
+            run_id = _read_run_id(id_file) or wandb_run_id
+            self.wandb_run = _start_wandb(cfg, run_dir, run_name, config_dict, run_id)
             self.wandb_run_id = self.wandb_run.id
+            _write_run_id(id_file, self.wandb_run_id)
         if cfg.progress_bar:
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
@@ -40,8 +43,10 @@ class MetricsSink:
         self.jsonl.write(json.dumps(record) + "\n")
         self.jsonl.flush()
         if self.wandb_run is not None:
-            self.wandb_run.log({k: v for k, v in record.items() if isinstance(v, (int, float))},
-                               step=record["step"])
+            try:
+                self.wandb_run.log({k: v for k, v in record.items() if v is not None}, step=record["step"])
+            except Exception as e:  # e.g. a job-wide SIGTERM also ended the wandb-core service
+                self._drop_wandb(e)
         line = (
             f"step {record['step']:>5} | loss {record['loss']:.4f} | lm {record['lm_loss']:.4f} | "
             f"mtp {record.get('mtp_loss', float('nan')):.4f} | lr {record['lr']:.2e} | "
@@ -62,7 +67,40 @@ class MetricsSink:
             self.progress.stop()
         self.jsonl.close()
         if self.wandb_run is not None:
-            self.wandb_run.finish()
+            try:
+                self.wandb_run.finish()
+            except Exception as e:
+                self._drop_wandb(e)
+
+    def _drop_wandb(self, error: Exception) -> None:
+        """W&B is a mirror of metrics.jsonl: losing it must not stop the run (or its last save)."""
+        import logging
+
+        logging.getLogger(__name__).warning("W&B logging stopped (%s: %s); metrics.jsonl continues",
+                                            error.__class__.__name__, error)
+        self.wandb_run = None
+
+
+#: ``<run_dir>/wandb/run_id``: written when the W&B run starts, so a job that is requeued or
+#: restarted before its first checkpoint still appends to the same run
+RUN_ID_FILE = "run_id"
+
+
+def _read_run_id(path: str) -> Optional[str]:
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return f.read().strip() or None
+
+
+def _write_run_id(path: str, run_id: str) -> None:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.write(run_id)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
 
 
 def _start_wandb(cfg: LoggerConfig, run_dir: str, run_name: str, config_dict: dict,

@@ -21,6 +21,9 @@ class RunContext:
     config_yaml: str
     backend: str  #: model layer backend (local | te)
     sink: object  #: pretrain.metrics.MetricsSink
+    preemption: object  #: pretrain.faults.PreemptionSignal
+    nonfinite: object  #: pretrain.faults.NonFinitePolicy
+    preempted: bool = False  #: a signal stopped the run (after a checkpoint of the current step)
 
     @property
     def ckpt_dir(self) -> str:
@@ -144,7 +147,8 @@ class _StageTrainer:
             lr = self.optimizer.param_groups[0]["lr"]  # the LR this step uses
             position = stage.data_offset + state.consumed_samples
             stats = train_step(self.ddp, self.optimizer, self.scheduler, self.dataset, position, t,
-                               self.probe, rc.model.mtp_num_steps)
+                               self.probe, rc.model.mtp_num_steps,
+                               poison=self.ctx.nonfinite.poison(state.step + 1))
             state.step += 1
             state.stage_step += 1
             state.consumed_samples += t.global_batch_size
@@ -157,10 +161,31 @@ class _StageTrainer:
             if self.valid is not None and (state.stage_step % t.eval_every == 0 or last):
                 record["valid_lm_loss"] = evaluate(self.ddp, self.valid, t, t.eval_samples)
             self.ctx.sink.log(record)
-            if last and self.save_final:
-                self._save(state, chunks, stage_final=True)
-            elif rc.checkpoint.save_every and state.step % rc.checkpoint.save_every == 0:
+            if self.ctx.nonfinite.should_reload(stats.skipped, state.step):
+                self._reload_after_bad_steps(state, chunks)
+            if last:
+                if self.save_final:
+                    self._save(state, chunks, stage_final=True)
+                continue  # a signal during the last step is answered between stages
+            periodic = bool(rc.checkpoint.save_every) and state.step % rc.checkpoint.save_every == 0
+            if periodic:
                 self._save(state, chunks)
+            if self.ctx.preemption.agreed():  # every rank stops after this same step
+                if not periodic:
+                    self._save(state, chunks)
+                self.ctx.preempted = True
+                return
+
+    def _reload_after_bad_steps(self, state, chunks) -> None:
+        """The newest checkpoint's weights (and, when it is of this stage, optimizer and LR
+        schedule); step and data position go on, so the batches since are not replayed."""
+        from pretrain.faults import reload_last_checkpoint
+
+        path = checkpoint.latest_checkpoint(self.ctx.ckpt_dir)
+        if path is not None and checkpoint.read_train_state(path).get("stage") != self.stage.name:
+            checkpoint.load(path, chunks)  # the previous stage's end: its optimizer is not ours
+            return
+        reload_last_checkpoint(self.ctx.ckpt_dir, chunks, self.optimizer, self.scheduler, state.step)
 
     def _save(self, state, chunks, stage_final=False):
         rc = self.stage.rc
@@ -194,6 +219,7 @@ class _StageTrainer:
             "lr": lr,
             "grad_norm": stats.grad_norm,
             "skipped": stats.skipped,
+            "checkpoint_reloads": self.ctx.nonfinite.reloads,
             "step_time_s": stats.seconds,
             "tokens_per_s": self.stage.tokens_per_step / stats.seconds,
             "tflops_per_s": self.flops_per_step / stats.seconds / 1e12 / world,

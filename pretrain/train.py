@@ -15,6 +15,7 @@ import hydra
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
+from pretrain import faults
 from pretrain.config import RunConfig, register, to_run_config
 
 register()
@@ -47,6 +48,7 @@ def validate(rc: RunConfig, world_size: int):
     if t.steps < 0:
         problems.append(f"trainer.steps={t.steps} must be >= 0")
     problems += check_data(rc.data, rc.model.vocab_size)
+    problems += faults.check(rc.faults, None)
     if rc.logger.wandb.mode not in ("online", "offline", "disabled"):
         problems.append(f"logger.wandb.mode={rc.logger.wandb.mode!r} must be online, offline or disabled")
     if problems:
@@ -59,22 +61,24 @@ def plan_run(rc: RunConfig, world_size: int):
     from pretrain.curriculum import plan
 
     stages = plan(rc)
+    implicit = not rc.curriculum.stages
     problems = []
     for st in stages:
+        prefix = "" if implicit else f"stage {st.name!r}: "
         try:
             layout = validate(st.rc, world_size)
         except ValueError as e:
-            if len(stages) == 1 and not rc.curriculum.stages:
-                raise
             lines = [ln.strip()[2:] for ln in str(e).splitlines()[1:] if ln.strip().startswith("- ")]
-            problems += [f"stage {st.name!r}: {ln}" for ln in lines or [str(e)]]
+            problems += [prefix + ln for ln in lines or [str(e)]]
             continue
         t = st.rc.trainer
         if t.eval_every and t.eval_samples % (t.micro_batch_size * layout.dp):
-            problems.append(f"stage {st.name!r}: trainer.eval_samples={t.eval_samples} must be a multiple "
+            problems.append(f"{prefix}trainer.eval_samples={t.eval_samples} must be a multiple "
                             f"of micro_batch_size={t.micro_batch_size} x data-parallel size {layout.dp}")
+    problems += faults.check(rc.faults, sum(st.steps for st in stages))
     if problems:
-        raise ConfigError("invalid curriculum:\n  - " + "\n  - ".join(problems))
+        title = "invalid run config" if implicit else "invalid curriculum"
+        raise ConfigError(f"{title}:\n  - " + "\n  - ".join(problems))
     return stages
 
 
@@ -120,6 +124,7 @@ def run(rc: RunConfig, config_yaml: str) -> dict:
 
     env = dist_env()
     stages = plan_run(rc, env.world_size)
+    preemption = faults.PreemptionSignal()  # USR1/SIGTERM -> save after the current step, exit
     backend = resolve_backend(rc.model.layer_backend)
     start_process_group(env)
     run_dir = os.path.abspath(rc.trainer.run_dir)
@@ -140,15 +145,21 @@ def run(rc: RunConfig, config_yaml: str) -> dict:
         latest_state.get("stage_step", 0) if latest_state and begin.how == "resume" else 0)
     sink = MetricsSink(rc.logger, run_dir, total, start_step, rc.trainer.name, resolved,
                        latest_state.get("wandb_run_id") if latest_state else None, env.rank)
-    ctx = RunContext(env, run_dir, config_yaml, backend, sink)
+    ctx = RunContext(env, run_dir, config_yaml, backend, sink, preemption,
+                     faults.NonFinitePolicy(rc.faults))
     metrics_path = os.path.join(run_dir, "metrics.jsonl")
     how = begin.how
     for i, st in enumerate(todo):
-        run_stage(st, how, latest, ctx, save_final=rc.checkpoint.save_at_end or i < len(todo) - 1)
+        last = i == len(todo) - 1
+        run_stage(st, how, latest, ctx, save_final=rc.checkpoint.save_at_end or not last)
         latest, how = checkpoint.latest_checkpoint(ckpt_dir), "carry"
         if env.rank == 0 and rc.curriculum.plot and rc.curriculum.stages:
             plot_curriculum(read_metrics(metrics_path), os.path.join(run_dir, "curriculum.png"))
+        if ctx.preempted or (not last and preemption.agreed()):
+            ctx.preempted = True
+            break
     sink.close()
+    preemption.restore()
 
     history = read_metrics(metrics_path) if env.rank == 0 else []
     summary = {
@@ -159,6 +170,7 @@ def run(rc: RunConfig, config_yaml: str) -> dict:
         "final_loss": history[-1]["loss"] if history else None,
         "stages": stage_summaries(history),
         "world_size": env.world_size,
+        "preempted": ctx.preempted,
     }
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
@@ -173,6 +185,8 @@ def main(cfg: DictConfig) -> None:
     summary = run(rc, OmegaConf.to_yaml(cfg, resolve=True))
     if int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", 0))) == 0:
         print(json.dumps(summary), flush=True)
+    if summary["preempted"]:
+        raise SystemExit(faults.PREEMPTED_EXIT)  # slurm/pretrain.sh requeues the job
 
 
 if __name__ == "__main__":
