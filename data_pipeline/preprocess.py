@@ -155,13 +155,27 @@ def prepare_corpus(name: str, cfg: DataConfig, allow_submit: bool = False) -> Co
     return load_output(name, final)
 
 
+def worker_start_method() -> str:
+    """``fork`` from a plain single-threaded process (fast: workers inherit the imports);
+    ``forkserver`` when this process already runs other threads (a training run triggering the
+    preprocessing: process-group, W&B and pool threads), where a forked worker can inherit a lock
+    held by one of them and hang."""
+    import threading
+
+    import torch.distributed as dist
+
+    busy = threading.active_count() > 1 or (dist.is_available() and dist.is_initialized())
+    return "forkserver" if busy else "fork"
+
+
 def run_local(steps: list, cfg: DataConfig, logging_dir: str) -> None:
     import megatron.core.datasets.indexed_dataset  # noqa: F401  (imported once, inherited by forked workers)
     from datatrove.executor import LocalPipelineExecutor
 
     tasks = num_tasks(cfg)
     LocalPipelineExecutor(pipeline=steps, tasks=tasks, workers=min(cfg.preprocess.workers, tasks),
-                          logging_dir=logging_dir, skip_completed=False, start_method="fork").run()
+                          logging_dir=logging_dir, skip_completed=False,
+                          start_method=worker_start_method()).run()
 
 
 def prepare(cfg: DataConfig, names: list[str] | None = None, allow_submit: bool = False) -> dict:

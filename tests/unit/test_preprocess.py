@@ -195,3 +195,31 @@ def test_invalid_utf8_replace_counts_reject_names_the_byte(tmp_path):
     assert (f"{f}: line at byte {3 * len(good)}: invalid UTF-8 at byte {bad.index(0xE9)} "
             "(data.corpora.c.invalid_utf8=reject)") in str(e.value)
     assert _no_output(tmp_path / "cache2")
+
+
+def test_preprocessing_inside_a_busy_process_uses_forkserver_and_same_tokens(tmp_path):
+    """A training run triggers preprocessing from a process that already runs threads (gloo,
+    W&B): its workers must not be forked from it (a lock held by another thread hangs them)."""
+    import threading
+
+    import torch.distributed as dist
+
+    from data_pipeline.preprocess import worker_start_method
+
+    texts = [f"document {i} " * (i + 1) for i in range(12)]
+    f = write_jsonl(tmp_path / "a.jsonl", [{"text": t} for t in texts])
+    if threading.active_count() == 1:  # earlier tests may have left helper threads behind
+        assert worker_start_method() == "fork"
+    stop = threading.Event()
+    busy = threading.Thread(target=stop.wait, daemon=True)
+    busy.start()
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
+    try:
+        assert worker_start_method() == "forkserver"
+        cfg = corpus_cfg(tmp_path / "cache", [f])
+        cfg.preprocess.workers = 2
+        out = prepare(cfg)["c"]
+    finally:
+        dist.destroy_process_group()
+        stop.set()
+    assert read_docs(out.prefixes) == _expected(texts)
