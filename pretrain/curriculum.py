@@ -53,6 +53,7 @@ class StageConfig:
     dsa_mode: Optional[str] = None  #: dense | warmup | sparse; null = model.dsa.mode
     trainable: List[str] = field(default_factory=list)  #: regexes over parameter names; empty = all the DSA mode trains
     rope_theta: Optional[float] = None  #: null = model.rope_theta
+    recompute: Optional[str] = None  #: activation recomputation for this stage (none | selective | full); null = model.recompute
     parallel: Dict[str, Any] = field(default_factory=dict)  #: overrides of parallel.* for this stage
     optimizer_state: str = "carry"  #: carry (Adam moments continue) | reset (fresh optimizer)
     eval_every: Optional[int] = None  #: validation every N steps and at the stage end; null = trainer.eval_every
@@ -127,6 +128,8 @@ def _apply(rc, s: StageConfig, steps: int, where: str, problems: list):
         out.model.dsa.mode = s.dsa_mode
     if s.rope_theta is not None:
         out.model.rope_theta = s.rope_theta
+    if s.recompute is not None:
+        out.model.recompute = None if s.recompute == "none" else s.recompute
     if s.parallel:
         try:
             merged = OmegaConf.merge(OmegaConf.structured(out.parallel), dict(s.parallel))

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import List, Optional
 
 import torch
 import torch.nn.functional as F
@@ -65,6 +65,8 @@ class GLM5Config:
     mtp_num_steps: int = 3  #: one shared MTP module applied this many times
     mtp_loss_scale: float = 0.3  #: total MTP loss weight (split evenly over steps)
     layer_backend: str = "auto"  #: auto (te with CUDA + Transformer Engine, else local) | te | local
+    recompute: Optional[str] = None  #: activation recomputation: null | selective | full (every layer)
+    recompute_modules: List[str] = field(default_factory=lambda: ["mla_up_proj", "moe"])  #: selective: megatron's recompute_modules
     dsa: DSAConfig = field(default_factory=DSAConfig)
 
     @property
@@ -82,6 +84,10 @@ class PrecisionConfig:
 
     dtype: str = "fp32"  #: fp32 | bf16
     fp8: Optional[str] = None  #: null | delayed | blockwise (Transformer Engine, GPUs only)
+
+
+#: megatron-core 0.16.1's selective recompute choices
+RECOMPUTE_MODULES = ("core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe", "shared_experts")
 
 
 class ModelConfigError(ValueError):
@@ -103,6 +109,12 @@ def validate_model(cfg: GLM5Config, precision: PrecisionConfig, seq_length: int)
             )
     if cfg.moe_aux_loss not in ("seq_aux_loss", "aux_loss", "none"):
         p.append(f"model.moe_aux_loss={cfg.moe_aux_loss!r} must be seq_aux_loss, aux_loss or none")
+    if cfg.recompute not in (None, "selective", "full"):
+        p.append(f"model.recompute={cfg.recompute!r} must be null, selective or full")
+    unknown = sorted(set(cfg.recompute_modules) - set(RECOMPUTE_MODULES))
+    if cfg.recompute == "selective" and (unknown or not cfg.recompute_modules):
+        p.append(f"model.recompute_modules={list(cfg.recompute_modules)}: must be a non-empty subset of "
+                 f"{list(RECOMPUTE_MODULES)}")
     if cfg.mtp_num_steps < 0:
         p.append(f"model.mtp_num_steps={cfg.mtp_num_steps} must be >= 0")
     if seq_length > cfg.max_position_embeddings:
@@ -136,6 +148,16 @@ def validate_model(cfg: GLM5Config, precision: PrecisionConfig, seq_length: int)
         p.append(f"precision.fp8={precision.fp8} needs precision.dtype=bf16, got {precision.dtype}")
     if p:
         raise ModelConfigError("invalid model config:\n  - " + "\n  - ".join(p))
+
+
+def _recompute(cfg: GLM5Config) -> dict:
+    """megatron's activation recomputation: selective (the listed submodules of every layer) or
+    full (each whole layer, one at a time)."""
+    if cfg.recompute == "full":
+        return dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    if cfg.recompute == "selective":
+        return dict(recompute_granularity="selective", recompute_modules=list(cfg.recompute_modules))
+    return {}
 
 
 def to_transformer_config(cfg: GLM5Config, par: ParallelConfig, precision: PrecisionConfig):
@@ -181,6 +203,7 @@ def to_transformer_config(cfg: GLM5Config, par: ParallelConfig, precision: Preci
         qk_head_dim=cfg.qk_nope_head_dim,
         qk_pos_emb_head_dim=cfg.qk_rope_head_dim,
         v_head_dim=cfg.v_head_dim,
+        **_recompute(cfg),
         rope_type="rope",
         rotary_base=cfg.rope_theta,
         rotary_scaling_factor=1.0,

@@ -100,3 +100,31 @@ def test_stage_with_another_parallel_layout_continues_the_weights(conf_dir, tmp_
     for a, b in zip(want, have):
         for key in ("lm_loss", "mtp_loss", "loss", "grad_norm", "lr", "consumed_tokens"):
             assert b[key] == pytest.approx(a[key], rel=1e-5), (a["step"], a["stage"], key)
+
+
+LONG_CP = """
+stages:
+  - {name: short, steps: 2, seq_length: 128, global_batch_size: 4, micro_batch_size: 2,
+     lr: {peak: 2.0e-3, end: 1.0e-3, style: linear}, dsa_mode: dense}
+  - {name: long_cp2, steps: 2, seq_length: 4096, global_batch_size: 2, micro_batch_size: 1,
+     lr: {peak: 1.0e-3, end: 5.0e-4, style: linear}, mixture: long_context, dsa_mode: sparse,
+     optimizer_state: reset, parallel: {cp: 2}}
+start: null
+only: null
+plot: false
+"""
+
+
+@pytest.mark.heavy
+def test_tiny_stage_at_4096_tokens_with_cp2(conf_dir, tmp_path):
+    """A curriculum stage that switches 2 ranks from DP2 to CP2 for 4096-token packed agent data
+    with sparse DSA (top-k 64 of up to 4096 keys)."""
+    (conf_dir / "curriculum" / "long_cp.yaml").write_text(LONG_CP)
+    summary = run_train([f"hydra.searchpath=[file://{conf_dir}]", "curriculum=long_cp",
+                         f"trainer.run_dir={tmp_path / 'run'}", "model.dsa.topk=64"], nproc=2)
+    assert [(s["name"], s["steps"], s["seq_length"]) for s in summary["stages"]] == [
+        ("short", 2, 128), ("long_cp2", 2, 4096)]
+    rows = read_metrics(str(tmp_path / "run"))
+    long = [r for r in rows if r["stage"] == "long_cp2"]
+    assert all(r["loss_tokens"] > 0 and 0 < r["lm_loss"] < 10 and r["indexer_kl"] > 0 for r in long)
+    assert long[-1]["consumed_tokens"] - rows[1]["consumed_tokens"] == 2 * 2 * 4096

@@ -226,3 +226,20 @@ def test_train_entry_point_rejects_bad_layout_before_creating_the_run_dir(tmp_pa
     assert "model.num_attention_heads=4 is not divisible by parallel.tp=3" in out
     assert not run_dir.exists()
     assert elapsed < 30, f"took {elapsed:.1f}s to reject the config"
+
+
+def test_recompute_options_are_checked_and_reach_megatron():
+    from model_providers.glm5.config import PrecisionConfig, to_transformer_config
+    from parallel.config import ParallelConfig
+
+    with pytest.raises(ModelConfigError, match=r"model.recompute='partial' must be null, selective or full"):
+        validate_model(GLM5Config(recompute="partial"), PrecisionConfig(), 128)
+    with pytest.raises(ModelConfigError, match=r"model.recompute_modules=\['mla_up_proj', 'attn'\]: must be a "
+                                               r"non-empty subset of"):
+        validate_model(GLM5Config(recompute="selective", recompute_modules=["mla_up_proj", "attn"]),
+                       PrecisionConfig(), 128)
+    sel = to_transformer_config(GLM5Config(recompute="selective"), ParallelConfig(), PrecisionConfig())
+    assert (sel.recompute_granularity, sel.recompute_modules) == ("selective", ["mla_up_proj", "moe"])
+    full = to_transformer_config(GLM5Config(recompute="full"), ParallelConfig(), PrecisionConfig())
+    assert (full.recompute_granularity, full.recompute_method, full.recompute_num_layers) == ("full", "uniform", 1)
+    assert to_transformer_config(GLM5Config(), ParallelConfig(), PrecisionConfig()).recompute_granularity is None
