@@ -19,5 +19,7 @@ def test_recompute_gives_the_same_training(tmp_path, recompute):
     want, have = read_metrics(str(tmp_path / "plain")), read_metrics(str(tmp_path / recompute))
     assert len(want) == len(have) == 3
     for a, b in zip(want, have):
-        for key in ("lm_loss", "mtp_loss", "indexer_kl", "grad_norm"):
+        for key in ("lm_loss", "mtp_loss", "grad_norm"):
             assert b[key] == pytest.approx(a[key], rel=1e-6), (a["step"], key)
+        # the KL (~3e-4) is a difference of O(1) sums: recomputed up-projections move it ~1e-9
+        assert b["indexer_kl"] == pytest.approx(a["indexer_kl"], rel=1e-5, abs=1e-8), a["step"]

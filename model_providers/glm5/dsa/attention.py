@@ -111,7 +111,10 @@ class DSACoreAttention(MegatronModule):
         # kl is this rank's per-query mean; CP ranks hold equally many queries, so the mean over
         # the CP group (the tracker's average) is the sequence mean. megatron scales aux losses
         # by cp before DDP averages gradients over CP: divide by cp to get the mean's gradient.
-        self._track(kl)
+        if torch.is_grad_enabled() or not self.training:
+            # full activation recomputation runs a training forward twice: first without grad
+            # (not logged), then again inside backward (logged once here)
+            self._track(kl)
         if self.training and torch.is_grad_enabled():
             out = MoEAuxLossAutoScaler.apply(out, self.dsa.kl_coeff * kl / cp_size())
         return out
