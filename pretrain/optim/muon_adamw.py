@@ -80,9 +80,17 @@ class MuonAdamW(torch.optim.AdamW):
     those parameters are distributed-optimizer shards.
     """
 
-    def __init__(self, params, *, matrices: dict, hyper: MuonHyper, assembly: DPAssembly | None = None,
-                 **adamw_kwargs):
-        super().__init__(params, **adamw_kwargs)
+    def __init__(self, param_groups: list, *, matrices: dict, hyper: MuonHyper,
+                 assembly: DPAssembly | None = None, **adamw_kwargs):
+        # torch's add_param_group refuses non-leaf tensors, and megatron's distributed optimizer
+        # steps views into its flat buffers: install the groups the way megatron does, by
+        # assignment, after filling in AdamW's defaults.
+        super().__init__([torch.zeros(0, requires_grad=True)], **adamw_kwargs)
+        for group in param_groups:
+            group["params"] = list(group["params"])
+            for key, value in self.defaults.items():
+                group.setdefault(key, value)
+        self.param_groups = list(param_groups)
         self.matrices, self.hyper, self.assembly = matrices, hyper, assembly
         for group in self.param_groups:
             for p in group["params"] if group.get("muon") else ():
@@ -99,7 +107,22 @@ class MuonAdamW(torch.optim.AdamW):
         finally:
             self.param_groups = groups
         self._muon_step([g for g in groups if g.get("muon")])
+        for g in groups:
+            steps = [self.state[p]["step"] for p in g["params"] if "step" in self.state[p]]
+            if steps:
+                g["step"] = int(steps[0])
         return loss
+
+    def __setstate__(self, state):
+        """Per-parameter ``step`` from the group's ``step`` where a loaded state has none: megatron's
+        distributed optimizer keeps the step in the param groups, not the state, when Transformer
+        Engine or Apex is installed (it expects their FusedAdam)."""
+        for group in state["param_groups"]:
+            for p in group["params"]:
+                p_state = state["state"].get(p)
+                if p_state and "step" not in p_state:
+                    p_state["step"] = torch.tensor(float(group.get("step", 0)), dtype=_get_scalar_dtype())
+        super().__setstate__(state)
 
     def _direction(self, p: torch.Tensor) -> torch.Tensor:
         state = self.state[p]

@@ -178,3 +178,37 @@ def test_muon_misconfiguration_is_rejected_before_compute(override, message):
         validate(_rc("optimizer=muon_split", override), 1)
     assert message in str(e.value)
     assert not dist.is_initialized()
+
+
+def test_state_without_per_parameter_step_resumes_from_the_group_step():
+    """megatron's distributed optimizer saves the step in the param groups (not per parameter)
+    when Transformer Engine / Apex is installed; loading such a state continues exactly."""
+    def make():
+        gen = torch.Generator().manual_seed(5)
+        a, m = torch.nn.Parameter(torch.randn(16, generator=gen)), torch.nn.Parameter(torch.randn(8, 8, generator=gen))
+        opt = MuonAdamW([{"params": [a]}, {"params": [m], "muon": True}], matrices={m: MatrixSpec("m", (8, 8))},
+                        hyper=MuonHyper(), lr=0.01, weight_decay=0.1)
+        return a, m, opt
+
+    grads = list(zip(_grads((16,), 4), _grads((8, 8), 4, seed=1)))
+    a, m, opt = make()
+    for ga, gm in grads:
+        a.grad, m.grad = ga.clone(), gm.clone()
+        opt.step()
+    a2, m2, opt2 = make()
+    for ga, gm in grads[:2]:
+        a2.grad, m2.grad = ga.clone(), gm.clone()
+        opt2.step()
+    sd = opt2.state_dict()
+    assert [g["step"] for g in sd["param_groups"]] == [2, 2]
+    for s in sd["state"].values():
+        del s["step"]
+    a3, m3, opt3 = make()
+    a3.data.copy_(a2.data)
+    m3.data.copy_(m2.data)
+    opt3.load_state_dict(sd)
+    for ga, gm in grads[2:]:
+        a3.grad, m3.grad = ga.clone(), gm.clone()
+        opt3.step()
+    assert torch.equal(a3.data, a.data) and torch.equal(m3.data, m.data)
+    assert float(opt3.state[a3]["step"]) == 4
