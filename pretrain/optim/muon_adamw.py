@@ -107,8 +107,8 @@ class MuonAdamW(torch.optim.AdamW):
         finally:
             self.param_groups = groups
         self._muon_step([g for g in groups if g.get("muon")])
-        for g in groups:
-            steps = [self.state[p]["step"] for p in g["params"] if "step" in self.state[p]]
+        for g in groups:  # kept in the groups too, for megatron's checkpoint code under TE / Apex
+            steps = [self.state[p]["step"] for p in g["params"] if "step" in self.state.get(p, {})]
             if steps:
                 g["step"] = int(steps[0])
         return loss
