@@ -194,6 +194,10 @@ def _patch_distributed_optimizer_for_torch_adam() -> None:
       Megatron-LM's own checkpoint loader does); the load overwrites all of it.
     - the fully reshardable loader copies every state key from the checkpoint tensors, which
       never hold ``step`` (``load_state_dict`` already restored it from the param groups).
+    - ``load_state_dict`` restores that step as ONE tensor shared by every parameter's state;
+      torch's AdamW increments each parameter's step in place, so after a resume the shared
+      step advanced once per parameter per iteration (wrong bias correction): give each
+      parameter its own copy.
     """
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
@@ -219,7 +223,17 @@ def _patch_distributed_optimizer_for_torch_adam() -> None:
             if step is not None:
                 state["step"] = step
 
+    load_state_dict = DistributedOptimizer.load_state_dict
+
+    @functools.wraps(load_state_dict)
+    def load_state_dict_with_own_steps(self, state_dict):
+        load_state_dict(self, state_dict)
+        for state in self.optimizer.state.values():
+            if torch.is_tensor(state.get("step")):
+                state["step"] = state["step"].clone()
+
     DistributedOptimizer.sharded_state_dict = sharded_state_dict_with_state
+    DistributedOptimizer.load_state_dict = load_state_dict_with_own_steps
     DistributedOptimizer._set_main_param_and_optimizer_states = set_states_keeping_step
 
 

@@ -566,3 +566,27 @@ def test_distributed_optimizer_state_load_keeps_torch_adam_step():
     original = DistributedOptimizer._set_main_param_and_optimizer_states.__wrapped__
     with pytest.raises(KeyError, match="step"), torch.no_grad():  # megatron-core 0.16.1 unpatched
         original(opt, "model_param", loaded)
+
+
+def test_distributed_optimizer_load_gives_each_parameter_its_own_adam_step():
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    def steps_after_load_and_one_step(load):
+        opt = _FakeDistOpt(stepped=True)
+        other = torch.nn.Parameter(torch.zeros(4))
+        opt.optimizer.add_param_group({"params": [other]})
+        other.grad = torch.ones(4)
+        opt.optimizer.step()
+        sd = opt.optimizer.state_dict()
+        shared = torch.tensor(2.0)  # megatron's non-TE load_state_dict: one step tensor for all states
+        for s in sd["state"].values():
+            s["step"] = shared
+        load(opt, sd)  # the fake takes megatron's FSDP branch: a plain torch load
+        steps = [opt.optimizer.state[p]["step"] for p in (opt.param, other)]
+        opt.param.grad, other.grad = torch.ones(4), torch.ones(4)
+        opt.optimizer.step()
+        return steps[0] is steps[1], [float(s) for s in steps]
+
+    assert steps_after_load_and_one_step(DistributedOptimizer.load_state_dict) == (False, [3, 3])
+    unpatched = DistributedOptimizer.load_state_dict.__wrapped__
+    assert steps_after_load_and_one_step(unpatched) == (True, [4, 4])  # one increment per parameter
