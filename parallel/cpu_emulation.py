@@ -184,6 +184,59 @@ def _patch_megatron_te_probes() -> None:
         moe_utils.te_general_gemm = None
 
 
+def _patch_distributed_optimizer_for_torch_adam() -> None:
+    """Without Transformer Engine / Apex, megatron's distributed optimizer steps torch's AdamW
+    (which keeps a per-parameter ``step`` tensor in its state) but its checkpoint code is written
+    for their FusedAdam (step in the param groups), in two places:
+
+    - ``sharded_state_dict(is_loading=True)`` on a freshly built optimizer asserts one common
+      step among state tensors that do not exist yet: give it placeholder state first (what
+      Megatron-LM's own checkpoint loader does); the load overwrites all of it.
+    - the fully reshardable loader copies every state key from the checkpoint tensors, which
+      never hold ``step`` (``load_state_dict`` already restored it from the param groups).
+    - ``load_state_dict`` restores that step as ONE tensor shared by every parameter's state;
+      torch's AdamW increments each parameter's step in place, so after a resume the shared
+      step advanced once per parameter per iteration (wrong bias correction): give each
+      parameter its own copy.
+    """
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    sharded_state_dict = DistributedOptimizer.sharded_state_dict
+    set_states = DistributedOptimizer._set_main_param_and_optimizer_states
+
+    @functools.wraps(sharded_state_dict)
+    def sharded_state_dict_with_state(self, model_sharded_state_dict=None, is_loading=False, *a, **k):
+        if is_loading and not self.is_stub_optimizer and not self.optimizer.state:
+            self._init_optimizer_states_with_dummy_values()
+        return sharded_state_dict(self, model_sharded_state_dict or {}, is_loading, *a, **k)
+
+    @functools.wraps(set_states)
+    def set_states_keeping_step(self, model_param, tensors):
+        if "step" in tensors or self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
+            return set_states(self, model_param, tensors)
+        group_index, group_order = self.model_param_group_index_map[model_param]
+        state = self.optimizer.state[self.optimizer.param_groups[group_index]["params"][group_order]]
+        step = state.pop("step", None)
+        try:
+            return set_states(self, model_param, tensors)
+        finally:
+            if step is not None:
+                state["step"] = step
+
+    load_state_dict = DistributedOptimizer.load_state_dict
+
+    @functools.wraps(load_state_dict)
+    def load_state_dict_with_own_steps(self, state_dict):
+        load_state_dict(self, state_dict)
+        for state in self.optimizer.state.values():
+            if torch.is_tensor(state.get("step")):
+                state["step"] = state["step"].clone()
+
+    DistributedOptimizer.sharded_state_dict = sharded_state_dict_with_state
+    DistributedOptimizer.load_state_dict = load_state_dict_with_own_steps
+    DistributedOptimizer._set_main_param_and_optimizer_states = set_states_keeping_step
+
+
 def install() -> bool:
     """Install every patch once, when CUDA is unavailable. Returns whether emulation is active."""
     global _INSTALLED, _MODE
@@ -194,6 +247,7 @@ def install() -> bool:
     _patch_cuda_runtime()
     _patch_cuda_rng()
     _patch_megatron_te_probes()
+    _patch_distributed_optimizer_for_torch_adam()
     dist.all_to_all_single = _all_to_all_single_with_list_splits(dist.all_to_all_single)
     dist.all_gather = _all_gather_uneven(dist.all_gather)
     _MODE = CudaDeviceToCpuMode()

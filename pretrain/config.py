@@ -17,8 +17,24 @@ from pretrain.faults import FaultsConfig
 
 
 @dataclass
+class MuonConfig:
+    """Muon for hidden 2-D matrices when optimizer.name=muon (pretrain/optim/); the Adam fields
+    of OptimizerConfig then serve embeddings, output layer, norms, router and 1-D parameters."""
+
+    split: str = "per_head"  #: none | per_head (Muon Split: MLA up-projections per head, K/V apart)
+    lr: Optional[float] = None  #: peak LR of the Muon groups; null = optimizer.lr
+    min_lr: Optional[float] = None  #: null = optimizer.min_lr
+    weight_decay: Optional[float] = None  #: decoupled; null = optimizer.weight_decay
+    momentum: float = 0.95
+    nesterov: bool = True
+    ns_steps: int = 5  #: Newton-Schulz (quintic) iterations
+    ns_dtype: str = "fp32"  #: fp32 | bf16 (bf16 = torch.optim.Muon's own iteration)
+    scale: str = "match_rms_adamw"  #: match_rms_adamw (update RMS = Adam's) | original
+
+
+@dataclass
 class OptimizerConfig:
-    name: str = "adam"  #: adam (megatron's; AdamW-style decoupled weight decay)
+    name: str = "adam"  #: adam (megatron's; AdamW-style decoupled weight decay) | muon (+ Adam)
     lr: float = 3e-3  #: peak learning rate
     min_lr: float = 3e-4
     weight_decay: float = 0.1
@@ -26,6 +42,7 @@ class OptimizerConfig:
     beta2: float = 0.95
     eps: float = 1e-8
     clip_grad: float = 1.0
+    muon: MuonConfig = field(default_factory=MuonConfig)
 
 
 @dataclass

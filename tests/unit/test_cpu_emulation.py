@@ -504,3 +504,89 @@ def test_all_to_all_split_tensors_and_uneven_all_gather():
         for proc in child.processes:
             proc.kill()
         pytest.fail("rank 1 did not finish within 120 s")
+
+
+# --- distributed optimizer with torch's AdamW (no TE / Apex FusedAdam) ------------------------
+
+
+class _FakeDistOpt:
+    """The attributes of megatron's DistributedOptimizer that the two patched methods use, around
+    a real torch AdamW with one (shard) parameter."""
+
+    def __init__(self, stepped: bool):
+        from types import SimpleNamespace
+
+        self.param = torch.nn.Parameter(torch.zeros(4))
+        self.optimizer = torch.optim.AdamW([self.param], lr=0.1)
+        if stepped:
+            self.param.grad = torch.ones(4)
+            self.optimizer.step()
+        self.model_param_group_index_map = {"model_param": (0, 0)}
+        self.config = SimpleNamespace(use_precision_aware_optimizer_no_fp8_or_ds_fp8=False)
+        self.ddp_config = SimpleNamespace(use_megatron_fsdp=True)  # shortest path through the original
+        self.is_stub_optimizer = False
+        self.primed = False
+
+    def _init_optimizer_states_with_dummy_values(self):
+        self.primed = True
+        self.param.grad = torch.zeros(4)
+        self.optimizer.step()
+
+    def sharded_param_state_fsdp_dtensor(self, is_loading):
+        return {k: v.clone() for k, v in self.optimizer.state[self.param].items()}
+
+
+def test_distributed_optimizer_loading_into_a_fresh_torch_adam_gets_placeholder_state():
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    fresh = _FakeDistOpt(stepped=False)
+    meta = {"distrib_optim_sharding_type": "fsdp_dtensor"}
+    state = DistributedOptimizer.sharded_state_dict(fresh, {}, is_loading=True, metadata=meta)
+    assert fresh.primed and set(state) == {"step", "exp_avg", "exp_avg_sq"}
+    stepped = _FakeDistOpt(stepped=True)
+    DistributedOptimizer.sharded_state_dict(stepped, {}, is_loading=True, metadata=meta)
+    assert not stepped.primed  # existing state is left alone
+    saving = _FakeDistOpt(stepped=False)
+    assert DistributedOptimizer.sharded_state_dict(saving, {}, is_loading=False, metadata=meta) == {}
+    assert not saving.primed
+
+
+def test_distributed_optimizer_state_load_keeps_torch_adam_step():
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    opt = _FakeDistOpt(stepped=True)
+    step = opt.optimizer.state[opt.param]["step"]
+    loaded = {"param": torch.full((4,), 2.0), "exp_avg": torch.full((4,), 3.0), "exp_avg_sq": torch.full((4,), 4.0)}
+    with torch.no_grad():  # as megatron's loaders call it
+        DistributedOptimizer._set_main_param_and_optimizer_states(opt, "model_param", loaded)
+    state = opt.optimizer.state[opt.param]
+    assert torch.equal(opt.param.data, loaded["param"])
+    assert torch.equal(state["exp_avg"], loaded["exp_avg"]) and torch.equal(state["exp_avg_sq"], loaded["exp_avg_sq"])
+    assert state["step"] is step and float(step) == 1
+    original = DistributedOptimizer._set_main_param_and_optimizer_states.__wrapped__
+    with pytest.raises(KeyError, match="step"), torch.no_grad():  # megatron-core 0.16.1 unpatched
+        original(opt, "model_param", loaded)
+
+
+def test_distributed_optimizer_load_gives_each_parameter_its_own_adam_step():
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    def steps_after_load_and_one_step(load):
+        opt = _FakeDistOpt(stepped=True)
+        other = torch.nn.Parameter(torch.zeros(4))
+        opt.optimizer.add_param_group({"params": [other]})
+        other.grad = torch.ones(4)
+        opt.optimizer.step()
+        sd = opt.optimizer.state_dict()
+        shared = torch.tensor(2.0)  # megatron's non-TE load_state_dict: one step tensor for all states
+        for s in sd["state"].values():
+            s["step"] = shared
+        load(opt, sd)  # the fake takes megatron's FSDP branch: a plain torch load
+        steps = [opt.optimizer.state[p]["step"] for p in (opt.param, other)]
+        opt.param.grad, other.grad = torch.ones(4), torch.ones(4)
+        opt.optimizer.step()
+        return steps[0] is steps[1], [float(s) for s in steps]
+
+    assert steps_after_load_and_one_step(DistributedOptimizer.load_state_dict) == (False, [3, 3])
+    unpatched = DistributedOptimizer.load_state_dict.__wrapped__
+    assert steps_after_load_and_one_step(unpatched) == (True, [4, 4])  # one increment per parameter

@@ -1,22 +1,47 @@
-"""Optimizer and LR schedule: megatron-core's optimizer wrappers and OptimizerParamScheduler."""
+"""LR schedule (megatron-core's OptimizerParamScheduler) and the optimizer/schedule config checks."""
 
 from __future__ import annotations
 
-import torch
-from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
-from megatron.core.optimizer import get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from pretrain.config import OptimizerConfig, SchedulerConfig
+from pretrain.optim.matrices import SPLITS
+from pretrain.optim.newton_schulz import NS_DTYPES, SCALES
 
 _STYLES = ("cosine", "wsd", "linear", "constant")
+_OPTIMIZERS = ("adam", "muon")
+
+
+def check_muon(opt: OptimizerConfig) -> list[str]:
+    """Problems with optimizer.muon (only looked at when optimizer.name=muon)."""
+    m = opt.muon
+    p = []
+    if m.split not in SPLITS:
+        p.append(f"optimizer.muon.split={m.split!r} must be one of {', '.join(SPLITS)}")
+    if m.ns_dtype not in NS_DTYPES:
+        p.append(f"optimizer.muon.ns_dtype={m.ns_dtype!r} must be one of {', '.join(NS_DTYPES)}")
+    if m.scale not in SCALES:
+        p.append(f"optimizer.muon.scale={m.scale!r} must be one of {', '.join(SCALES)}")
+    if not 0 <= m.momentum < 1:
+        p.append(f"optimizer.muon.momentum={m.momentum} must be in [0, 1)")
+    if not 1 <= m.ns_steps < 100:
+        p.append(f"optimizer.muon.ns_steps={m.ns_steps} must be in [1, 99]")
+    lr = opt.lr if m.lr is None else m.lr
+    min_lr = opt.min_lr if m.min_lr is None else m.min_lr
+    if not 0 <= min_lr <= lr:
+        p.append(f"optimizer.muon.min_lr={min_lr} must be in [0, optimizer.muon.lr={lr}]")
+    if m.weight_decay is not None and m.weight_decay < 0:
+        p.append(f"optimizer.muon.weight_decay={m.weight_decay} must be >= 0")
+    return p
 
 
 def check_schedule(sched: SchedulerConfig, opt: OptimizerConfig, steps: int) -> list[str]:
     """Problems with the optimizer / schedule config (empty when fine)."""
     p = []
-    if opt.name != "adam":
-        p.append(f"optimizer.name={opt.name!r}: only 'adam' exists")
+    if opt.name not in _OPTIMIZERS:
+        p.append(f"optimizer.name={opt.name!r} must be one of {', '.join(_OPTIMIZERS)}")
+    elif opt.name == "muon":
+        p += check_muon(opt)
     if sched.style not in _STYLES:
         p.append(f"scheduler.style={sched.style!r} must be one of {', '.join(_STYLES)}")
     if not 0 <= opt.min_lr <= opt.lr:
@@ -29,23 +54,6 @@ def check_schedule(sched: SchedulerConfig, opt: OptimizerConfig, steps: int) -> 
             f"scheduler.decay_steps={decay} must exceed scheduler.warmup_steps={sched.warmup_steps}"
         )
     return p
-
-
-def build_optimizer(model_chunks, opt: OptimizerConfig, precision_dtype: str, distributed: bool):
-    cfg = MegatronOptimizerConfig(
-        optimizer="adam",
-        lr=opt.lr,
-        min_lr=opt.min_lr,
-        weight_decay=opt.weight_decay,
-        adam_beta1=opt.beta1,
-        adam_beta2=opt.beta2,
-        adam_eps=opt.eps,
-        clip_grad=opt.clip_grad,
-        bf16=precision_dtype == "bf16",
-        params_dtype=torch.bfloat16 if precision_dtype == "bf16" else torch.float32,
-        use_distributed_optimizer=distributed,
-    )
-    return get_megatron_optimizer(cfg, model_chunks)
 
 
 def build_scheduler(optimizer, opt: OptimizerConfig, sched: SchedulerConfig, steps: int):

@@ -1,0 +1,127 @@
+"""``build_optimizer``: megatron-core's optimizer (its param groups, mixed-precision and
+distributed-optimizer wrappers, grad clipping, checkpoint formats) with Adam, or with Muon for
+hidden matrices and Adam for the rest.
+
+For Muon, megatron builds its usual wrappers with one extra param-group override for the Muon
+matrices (their own max/min LR and weight decay, read by OptimizerParamScheduler); then each
+wrapper's inner ``torch.optim.AdamW`` is replaced by a ``MuonAdamW`` over the very same groups,
+told which of its parameters are which matrices (model params, fp32 main copies or distributed
+shards). megatron-core's own Muon needs ``emerging-optimizers`` and refuses the distributed
+optimizer; this path needs neither.
+"""
+
+from __future__ import annotations
+
+import torch
+from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
+from megatron.core.optimizer import get_megatron_optimizer, get_standard_config_overrides
+from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+from megatron.core.optimizer.optimizer import (Float16OptimizerWithFloat16Params, FP32Optimizer,
+                                               param_group_identifier_keys)
+from megatron.core.optimizer.optimizer_config import ParamKey
+
+from pretrain.config import OptimizerConfig
+from pretrain.optim.matrices import muon_matrices
+from pretrain.optim.muon_adamw import DPAssembly, MuonAdamW, MuonHyper, ShardPlacement
+
+MUON_ATTR = "muon_matrix"  #: set on the model parameters Muon updates; megatron's ParamKey matches it
+
+
+def megatron_config(opt: OptimizerConfig, precision_dtype: str, distributed: bool):
+    return MegatronOptimizerConfig(
+        optimizer="adam",
+        lr=opt.lr,
+        min_lr=opt.min_lr,
+        weight_decay=opt.weight_decay,
+        adam_beta1=opt.beta1,
+        adam_beta2=opt.beta2,
+        adam_eps=opt.eps,
+        clip_grad=opt.clip_grad,
+        bf16=precision_dtype == "bf16",
+        params_dtype=torch.bfloat16 if precision_dtype == "bf16" else torch.float32,
+        use_distributed_optimizer=distributed,
+    )
+
+
+def build_optimizer(model_chunks, opt: OptimizerConfig, precision_dtype: str, distributed: bool):
+    """megatron's (Chained) optimizer over the trainable parameters of ``model_chunks`` (DDP)."""
+    cfg = megatron_config(opt, precision_dtype, distributed)
+    if opt.name == "adam":
+        return get_megatron_optimizer(cfg, model_chunks)
+    specs = muon_matrices(model_chunks, opt.muon.split)
+    for chunk in model_chunks:
+        for p in chunk.parameters():
+            setattr(p, MUON_ATTR, p in specs)
+    optimizer = get_megatron_optimizer(cfg, model_chunks, config_overrides=_overrides(cfg, opt))
+    m = opt.muon
+    hyper = MuonHyper(momentum=m.momentum, nesterov=m.nesterov, ns_steps=m.ns_steps,
+                      ns_dtype=m.ns_dtype, scale=m.scale)
+    for wrapper in optimizer.chained_optimizers:
+        _adopt(wrapper, specs, hyper, opt)
+    return optimizer
+
+
+def _overrides(cfg, opt: OptimizerConfig) -> dict:
+    """megatron's standard overrides (no weight decay on 1-D and bias parameters) plus the Muon
+    groups' own schedule. ``is_decoupled_lr`` (one of the keys megatron matches groups by when it
+    loads a checkpoint) marks them: their LR is decoupled from the main one, and without it a Muon
+    group and Adam's default group would be indistinguishable on load."""
+    m = opt.muon
+    wd = opt.weight_decay if m.weight_decay is None else m.weight_decay
+    overrides = get_standard_config_overrides(cfg)
+    overrides[ParamKey(attr=MUON_ATTR)] = {
+        "max_lr": opt.lr if m.lr is None else m.lr,
+        "min_lr": opt.min_lr if m.min_lr is None else m.min_lr,
+        "start_wd": wd,
+        "end_wd": wd,
+        "is_decoupled_lr": True,
+        "muon": True,
+    }
+    return overrides
+
+
+def _main_params(wrapper):
+    """(model parameter, parameter the inner optimizer steps) pairs of one megatron wrapper."""
+    if isinstance(wrapper, DistributedOptimizer):
+        groups = [(wrapper.model_fp32_groups, wrapper.shard_fp32_groups),
+                  (wrapper.model_float16_groups, wrapper.shard_fp32_from_float16_groups)]
+    elif isinstance(wrapper, Float16OptimizerWithFloat16Params):
+        groups = [(wrapper.float16_groups, wrapper.fp32_from_float16_groups),
+                  (wrapper.fp32_from_fp32_groups, wrapper.fp32_from_fp32_groups)]
+    elif isinstance(wrapper, FP32Optimizer):
+        groups = [([g["params"] for g in wrapper.optimizer.param_groups],) * 2]
+    else:
+        raise TypeError(f"Muon cannot adopt a {type(wrapper).__name__}")
+    return [pair for models, mains in groups for gm, gs in zip(models, mains) for pair in zip(gm, gs)]
+
+
+def _assembly(wrapper: DistributedOptimizer, specs: dict, main_of: dict) -> DPAssembly:
+    offsets, numel = {}, 0
+    for buffer in wrapper.buffers:  # same order on every DP rank
+        for model_param in buffer.param_index_map:
+            if model_param in specs:
+                offsets[model_param] = numel
+                numel += model_param.numel()
+    placements = {}
+    for model_param, main in main_of.items():
+        r = wrapper._get_model_param_range_map(model_param)["param"]
+        placements[main] = ShardPlacement(offsets[model_param], model_param.numel(), r.start, r.end)
+    return DPAssembly(wrapper.data_parallel_group, numel, placements)
+
+
+def _adopt(wrapper, specs: dict, hyper: MuonHyper, opt: OptimizerConfig) -> None:
+    inner = wrapper.optimizer
+    if inner is None:
+        return
+    keys = [tuple(g.get(k) for k in param_group_identifier_keys) for g in inner.param_groups]
+    if len(set(keys)) != len(keys):
+        raise ValueError(f"param groups megatron cannot tell apart on load: {keys}")
+    main_of = {model: main for model, main in _main_params(wrapper) if model in specs}
+    assembly = _assembly(wrapper, specs, main_of) if isinstance(wrapper, DistributedOptimizer) else None
+    wrapper.optimizer = MuonAdamW(
+        inner.param_groups,
+        matrices={main: specs[model] for model, main in main_of.items()},
+        hyper=hyper,
+        assembly=assembly,
+        lr=opt.lr, betas=(opt.beta1, opt.beta2), eps=opt.eps, weight_decay=opt.weight_decay,
+    )

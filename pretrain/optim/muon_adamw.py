@@ -1,0 +1,176 @@
+"""One torch optimizer holding Muon groups and AdamW groups, shaped to live inside megatron's
+optimizer wrappers (FP32Optimizer, Float16OptimizerWithFloat16Params, DistributedOptimizer).
+
+Why one optimizer: megatron's distributed optimizer shards each DDP grad buffer, which mixes
+Muon and Adam parameters, and its checkpoint formats walk every parameter of the buffer; one
+wrapper per buffer must therefore own all of them. Groups flagged ``muon`` are stepped here;
+the rest by ``torch.optim.AdamW`` unchanged.
+
+Muon state uses AdamW's state keys so megatron's checkpoint code (which saves ``param``,
+``exp_avg``, ``exp_avg_sq`` per element and one common ``step``) stores and reshards it as is:
+``exp_avg`` is the Muon momentum buffer, ``exp_avg_sq`` stays zero (4 bytes per Muon parameter
+spent to keep every megatron checkpoint format working), ``step`` advances with Adam's.
+
+The update per matrix, as ``torch.optim.Muon``: ``B <- mu B + (1 - mu) g``; Nesterov direction
+``g + mu (B - g)``; orthogonalise (per block, see ``newton_schulz``); decoupled weight decay
+``W <- W (1 - lr wd)``; ``W <- W - lr * rms_scale * O``.
+
+Distributed optimizer: a rank owns a contiguous range of the flattened buffer, so it may hold
+only part of a matrix. Every Muon direction shard is written into one zero-filled buffer of all
+the wrapper's Muon matrices (same layout on every DP rank) and summed over the DP group (each
+element has exactly one owner, so the sum is an all-gather); each rank then orthogonalises only
+the matrices it owns a part of and keeps its range. Communication per step: one all-reduce of
+the Muon parameters' size; Newton-Schulz work is duplicated only for matrices straddling a rank
+boundary.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.optim.optimizer import _get_scalar_dtype
+
+from pretrain.optim.matrices import MatrixSpec
+from pretrain.optim.newton_schulz import orthogonalized_blocks
+
+
+@dataclass(frozen=True)
+class MuonHyper:
+    momentum: float = 0.95
+    nesterov: bool = True
+    ns_steps: int = 5
+    ns_dtype: str = "fp32"
+    scale: str = "match_rms_adamw"
+
+
+@dataclass(frozen=True)
+class ShardPlacement:
+    """Where a distributed-optimizer shard sits: its matrix occupies [offset, offset + numel) of
+    the DP assembly buffer; the shard is elements [start, end) of the flattened matrix."""
+
+    offset: int
+    numel: int
+    start: int
+    end: int
+
+
+class DPAssembly:
+    """Rebuilds whole matrices from the DP ranks' shards (see the module docstring)."""
+
+    def __init__(self, group, numel: int, placements: dict):
+        self.group, self.numel, self.placements = group, numel, placements
+
+    def gather(self, directions: dict) -> dict:
+        flat = torch.zeros(self.numel, dtype=torch.float32)
+        for p, d in directions.items():
+            at = self.placements[p]
+            flat[at.offset + at.start: at.offset + at.end] = d
+        dist.all_reduce(flat, group=self.group)
+        return {p: flat[self.placements[p].offset: self.placements[p].offset + self.placements[p].numel]
+                for p in directions}
+
+
+class MuonAdamW(torch.optim.AdamW):
+    """AdamW for groups without ``muon``; Muon for groups with ``muon=True``.
+
+    ``matrices`` maps each Muon parameter as this optimizer sees it (a model parameter, its fp32
+    main copy, or a distributed-optimizer shard) to its ``MatrixSpec``; ``assembly`` is set when
+    those parameters are distributed-optimizer shards.
+    """
+
+    def __init__(self, param_groups: list, *, matrices: dict, hyper: MuonHyper,
+                 assembly: DPAssembly | None = None, **adamw_kwargs):
+        # torch's add_param_group refuses non-leaf tensors, and megatron's distributed optimizer
+        # steps views into its flat buffers: install the groups the way megatron does, by
+        # assignment, after filling in AdamW's defaults.
+        super().__init__([torch.zeros(0, requires_grad=True)], **adamw_kwargs)
+        for group in param_groups:
+            group["params"] = list(group["params"])
+            for key, value in self.defaults.items():
+                group.setdefault(key, value)
+        self.param_groups = list(param_groups)
+        self.matrices, self.hyper, self.assembly = matrices, hyper, assembly
+        for group in self.param_groups:
+            for p in group["params"] if group.get("muon") else ():
+                if p not in matrices:
+                    raise ValueError(f"Muon group holds a parameter of shape {tuple(p.shape)} "
+                                     "without a matrix spec")
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        groups = self.param_groups
+        self.param_groups = [g for g in groups if not g.get("muon")]
+        try:
+            loss = super().step(closure)
+        finally:
+            self.param_groups = groups
+        self._muon_step([g for g in groups if g.get("muon")])
+        for g in groups:  # kept in the groups too, for megatron's checkpoint code under TE / Apex
+            steps = [self.state[p]["step"] for p in g["params"] if "step" in self.state.get(p, {})]
+            if steps:
+                g["step"] = int(steps[0])
+        return loss
+
+    def __setstate__(self, state):
+        """Per-parameter ``step`` from the group's ``step`` where a loaded state has none: megatron's
+        distributed optimizer keeps the step in the param groups, not the state, when Transformer
+        Engine or Apex is installed (it expects their FusedAdam)."""
+        for group in state["param_groups"]:
+            for p in group["params"]:
+                p_state = state["state"].get(p)
+                if p_state and "step" not in p_state:
+                    p_state["step"] = torch.tensor(float(group.get("step", 0)), dtype=_get_scalar_dtype())
+        super().__setstate__(state)
+
+    def _direction(self, p: torch.Tensor) -> torch.Tensor:
+        state = self.state[p]
+        if "step" not in state:
+            state["step"] = torch.tensor(0.0, dtype=_get_scalar_dtype())
+        for key in ("exp_avg", "exp_avg_sq"):
+            if key not in state:
+                state[key] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        state["step"] += 1
+        mu = self.hyper.momentum
+        buf = state["exp_avg"]
+        buf.lerp_(p.grad, 1 - mu)
+        return p.grad.lerp(buf, mu) if self.hyper.nesterov else buf
+
+    def _muon_step(self, groups) -> None:
+        work = [(p, g) for g in groups for p in g["params"] if p.grad is not None]
+        directions = {p: self._direction(p) for p, _ in work}
+        if self.assembly is not None:
+            flat = self.assembly.gather(directions)
+        for p, group in work:
+            spec: MatrixSpec = self.matrices[p]
+            if self.assembly is None:
+                full = directions[p].view(spec.shape)
+            else:
+                full = flat[p].view(spec.shape)
+            self._apply(p, spec, full, group["lr"], group["weight_decay"])
+
+    def _apply(self, p, spec: MatrixSpec, full, lr: float, wd: float) -> None:
+        h = self.hyper
+        if spec.tp_group is not None:
+            full = _gather(full, spec.tp_group, spec.tp_dim)
+        blocks = orthogonalized_blocks(full, spec.block_rows, h.ns_steps, h.ns_dtype, h.scale)
+        p.mul_(1 - lr * wd)
+        if spec.tp_group is None and self.assembly is None:
+            for first, o, ratio in blocks:
+                p[first: first + o.size(0)].add_(o, alpha=-lr * ratio)
+            return
+        update = torch.cat([o * ratio for _, o, ratio in blocks])
+        if spec.tp_group is not None:
+            rank = dist.get_rank(spec.tp_group)
+            update = update.chunk(dist.get_world_size(spec.tp_group), dim=spec.tp_dim)[rank]
+        if self.assembly is not None:
+            at = self.assembly.placements[p]
+            update = update.reshape(-1)[at.start: at.end]
+        p.add_(update.reshape(p.shape), alpha=-lr)
+
+
+def _gather(local: torch.Tensor, group, dim: int) -> torch.Tensor:
+    parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, local.contiguous(), group=group)
+    return torch.cat(parts, dim=dim)

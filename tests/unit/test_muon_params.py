@@ -1,0 +1,61 @@
+"""Which parameters of the tiny GLM-5 Muon updates, and how (whole, per head), vs Adam."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+import torch.distributed as dist
+
+CONF = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "conf"))
+QK, ROPE, V = 24, 8, 32  # the tiny model's MLA head dims
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def tiny_chunks():
+    from megatron.core import parallel_state
+    from omegaconf import OmegaConf
+
+    from model_providers.glm5.config import GLM5Config, PrecisionConfig, to_transformer_config
+    from model_providers.glm5.provider import build_model_chunks
+    from parallel.config import ParallelConfig
+    from parallel.initialize import DistEnv, initialize
+
+    initialize(ParallelConfig(), seed=1, env=DistEnv(0, 1, 0, "127.0.0.1", _free_port(), "single"))
+    cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(GLM5Config),
+                                              OmegaConf.load(os.path.join(CONF, "model", "glm5_tiny.yaml"))))
+    yield build_model_chunks(cfg, to_transformer_config(cfg, ParallelConfig(), PrecisionConfig()), "local")
+    parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()
+
+
+def test_tiny_model_muon_and_adam_parameters(tiny_chunks):
+    from pretrain.optim.matrices import muon_matrices
+
+    specs = {s.name: s for s in muon_matrices(tiny_chunks, "per_head").values()}
+    names = {n: p for c in tiny_chunks for n, p in c.named_parameters()}
+    attn = "decoder.layers.1.self_attention."
+    assert specs[attn + "linear_q_up_proj.weight"].block_rows == (QK + ROPE,)
+    assert specs[attn + "linear_kv_up_proj.weight"].block_rows == (QK, V)
+    for whole in ("linear_q_down_proj", "linear_kv_down_proj", "linear_proj"):
+        assert specs[attn + whole + ".weight"].block_rows is None
+    mlp = "decoder.layers.1.mlp."
+    for e in range(8):
+        assert specs[mlp + f"experts.local_experts.{e}.linear_fc1.weight"].shape == (128, 128)
+    assert mlp + "shared_experts.linear_fc2.weight" in specs
+    assert "decoder.layers.0.mlp.linear_fc1.weight" in specs and "mtp.layers.0.eh_proj.weight" in specs
+    adam = {n for n in names if n not in specs}
+    assert {"embedding.word_embeddings.weight", "output_layer.weight", mlp + "router.weight",
+            "decoder.final_layernorm.weight", attn + "kv_layernorm.weight"} <= adam
+    assert all(names[n].ndim == 2 for n in specs)
+    assert not any("indexer" in n for n in specs)  # frozen in dense DSA mode: in no optimizer
+    assert all(s.tp_group is None for s in specs.values())  # one rank: nothing to gather
+    whole = muon_matrices(tiny_chunks, "none")
+    assert all(s.block_rows is None for s in whole.values()) and len(whole) == len(specs)
