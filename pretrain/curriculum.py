@@ -30,7 +30,8 @@ LR_STYLES = ("cosine", "linear", "constant", "wsd")
 class StageLRConfig:
     """One stage's schedule (megatron ``OptimizerParamScheduler``): linear warm-up from ``init``
     to ``peak`` over ``warmup_steps``, then ``style`` decay from ``peak`` to ``end`` over the rest
-    of the stage. With ``warmup_steps: 0`` the stage's first step runs at ``peak``."""
+    of the stage. With ``warmup_steps: 0`` the stage's first step runs at ``peak``. It applies to
+    every parameter group; a separate ``optimizer.muon.lr`` keeps its ratio to ``optimizer.lr``."""
 
     peak: float = 3e-3
     end: float = 3e-4
@@ -140,6 +141,12 @@ def _apply(rc, s: StageConfig, steps: int, where: str, problems: list):
                             f"(parallel fields: {known})")
     out.optimizer.lr = s.lr.peak
     out.optimizer.min_lr = s.lr.end
+    muon = out.optimizer.muon
+    if muon.lr is not None:  # a separate Muon LR keeps its ratio to the stage's schedule
+        ratio = muon.lr / rc.optimizer.lr
+        muon.lr, muon.min_lr = s.lr.peak * ratio, s.lr.end * ratio
+    else:
+        muon.min_lr = None
     sch = out.scheduler
     sch.style = s.lr.style
     sch.init_lr = s.lr.init

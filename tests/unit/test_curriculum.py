@@ -167,3 +167,15 @@ def test_begin_with_start_and_only():
     assert _where({"stage": "pretrain_general", "stage_step": 5}, start="extend_512") == Begin(3, "carry", 6)
     with pytest.raises(CurriculumError, match="stage 'old_stage', which this curriculum does not have"):
         _where({"stage": "old_stage", "stage_step": 1})
+
+
+def test_glm5_curriculum_trains_with_muon_split_and_stage_lrs_reach_muon():
+    stages = plan(_rc("curriculum=glm5", "model=glm5_744b", "data=samples"))
+    by = {s.name: s for s in stages}
+    for s in stages:
+        assert s.rc.optimizer.name == "muon" and s.rc.optimizer.muon.split == "per_head"
+    # muon_split.yaml gives Muon the same peak as Adam (ratio 1): every stage's LRs reach it
+    assert (by["dsa_warmup"].rc.optimizer.muon.lr, by["dsa_warmup"].rc.optimizer.muon.min_lr) == (5e-3, 2e-4)
+    assert by["dsa_sparse"].rc.optimizer.muon.lr == pytest.approx(1e-5)
+    ratio = plan(_rc("optimizer=muon_split", "optimizer.muon.lr=4e-3"))  # tiny: adam lr 3e-3 -> 2e-4
+    assert ratio[0].rc.optimizer.muon.lr == pytest.approx(3e-3 * 4e-3 / 2e-4)
