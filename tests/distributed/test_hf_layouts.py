@@ -85,7 +85,11 @@ def _model_overrides(ckpt: str) -> list[str]:
     """Hydra overrides describing the imported architecture (the import writes them as YAML)."""
     model = OmegaConf.to_container(OmegaConf.load(os.path.join(ckpt, "glm5_model.yaml")))
     dsa = model.pop("dsa")
-    return [f"model.{k}={v}" for k, v in model.items()] + [f"model.dsa.{k}={v}" for k, v in dsa.items()]
+    def value(v):
+        return "null" if v is None else v
+
+    return ([f"model.{k}={value(v)}" for k, v in model.items()]
+            + [f"model.dsa.{k}={value(v)}" for k, v in dsa.items()])
 
 
 @pytest.mark.heavy
