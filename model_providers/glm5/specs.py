@@ -114,9 +114,18 @@ def layer_spec(backend: str, num_experts, dsa) -> ModuleSpec:
             qk_layernorm=True,
             multi_latent_attention=True,
         )
+        from megatron.core.extensions.transformer_engine import TEColumnParallelLinear, TENorm
+
         attention = spec.submodules.self_attention
         attention.module = GLM5MLASelfAttention
-        attention.submodules.core_attention = _dsa_core_attention(dsa)
+        sub = attention.submodules
+        sub.core_attention = _dsa_core_attention(dsa)
+        # TE's MLA spec fuses q_a/kv_a layernorm into the up-projections, so the latents MLA hands
+        # on would be pre-norm; the indexer reads the normalised q latent and the absorbed sparse
+        # attention and CP use the normalised kv latent: keep the norms separate, as the local spec
+        # does (also gives both backends the same checkpoint keys for these norms).
+        sub.linear_q_up_proj = sub.linear_kv_up_proj = TEColumnParallelLinear
+        sub.q_layernorm = sub.kv_layernorm = TENorm
         return spec
     return _local_layer_spec(num_experts, dsa)
 
