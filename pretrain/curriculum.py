@@ -156,7 +156,7 @@ def _apply(rc, s: StageConfig, steps: int, where: str, problems: list):
     return out
 
 
-def _check_stage(s: StageConfig, st: Stage, rc, where: str) -> list:
+def _check_stage(s: StageConfig, st: Stage, where: str) -> list:
     p = []
     if not re.fullmatch(r"[A-Za-z0-9_.-]+", s.name or ""):
         p.append(f"{where}.name={s.name!r} must be a non-empty word (letters, digits, _ . -)")
@@ -203,7 +203,7 @@ def plan(rc) -> List[Stage]:
         steps = _stage_steps(s, where, problems)
         st = Stage(i, s.name, steps, _apply(rc, s, steps, where, problems), s.optimizer_state,
                    list(s.trainable))
-        problems += _check_stage(s, st, rc, where)
+        problems += _check_stage(s, st, where)
         stages.append(st)
     _assign_data_offsets(stages)
     names = [s.name for s in stages]

@@ -17,8 +17,8 @@ from tests.unit import hf_support as hs
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 #: GLM5Config fields with no HF counterpart (training choices), left at their defaults on import
-TRAINING_ONLY = {"make_vocab_size_divisible_by", "recompute", "recompute_modules", "moe_bias_update_rate", "moe_aux_loss",
-                 "moe_aux_loss_coeff", "mtp_num_steps", "mtp_loss_scale", "layer_backend"}
+TRAINING_ONLY = {"make_vocab_size_divisible_by", "recompute", "recompute_modules", "moe_bias_update_rate",
+                 "moe_aux_loss", "moe_aux_loss_coeff", "mtp_num_steps", "mtp_loss_scale", "layer_backend"}
 DSA_TRAINING_ONLY = {"mode", "kl_coeff", "indexer_dtype", "query_chunk"}
 
 
