@@ -28,6 +28,11 @@ def one_rank():
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     initialize(ParallelConfig(), seed=5, env=DistEnv(0, 1, 0, "127.0.0.1", port, "single"))
+    from megatron.core.transformer.moe import moe_utils
+
+    # megatron's layer-wise loss tracker is process-global and sized by the first model that
+    # logged into it: start from an empty one (an earlier module's 1-layer model left its entry)
+    moe_utils.get_moe_layer_wise_logging_tracker().clear()
     yield
     parallel_state.destroy_model_parallel()
     dist.destroy_process_group()
