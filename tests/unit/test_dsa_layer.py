@@ -2,29 +2,10 @@
 attention restricted to the indexer's top-k keys (a plain masked reference built from the same
 layer's q/k/v), with top-k well below the sequence length."""
 
-import socket
-
 import pytest
 import torch
-import torch.distributed as dist
 
 from model_providers.glm5.config import DSAConfig
-
-
-@pytest.fixture(scope="module")
-def one_rank():
-    from megatron.core import parallel_state
-
-    from parallel.config import ParallelConfig
-    from parallel.initialize import DistEnv, initialize
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    initialize(ParallelConfig(), seed=5, env=DistEnv(0, 1, 0, "127.0.0.1", port, "single"))
-    yield
-    parallel_state.destroy_model_parallel()
-    dist.destroy_process_group()
 
 
 def _layer(mode, topk):

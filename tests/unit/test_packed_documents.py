@@ -4,38 +4,14 @@ run one by one (RoPE at sample positions vs document positions: exact because Ro
 and attention across documents is masked), in dense, warm-up and sparse DSA modes; so does the
 indexer KL of every decoder layer (packed mean = token-weighted mean of the documents')."""
 
-import socket
-
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
 
 from data_pipeline.packing import document_ids_from_lengths, position_ids
 from model_providers.glm5.config import DSAConfig, GLM5Config, PrecisionConfig
 
 LENGTHS = [23, 37, 12]  # the last document is shorter than top-k, the middle one much longer
-
-
-@pytest.fixture(scope="module")
-def one_rank():
-    from megatron.core import parallel_state
-
-    from parallel.config import ParallelConfig
-    from parallel.initialize import DistEnv, initialize
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    initialize(ParallelConfig(), seed=5, env=DistEnv(0, 1, 0, "127.0.0.1", port, "single"))
-    from megatron.core.transformer.moe import moe_utils
-
-    # megatron's layer-wise loss tracker is process-global and sized by the first model that
-    # logged into it: start from an empty one (an earlier module's 1-layer model left its entry)
-    moe_utils.get_moe_layer_wise_logging_tracker().clear()
-    yield
-    parallel_state.destroy_model_parallel()
-    dist.destroy_process_group()
 
 
 def _model(mode: str):
