@@ -9,9 +9,55 @@ layer at every depth.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from megatron.core.models.gpt import gpt_model
+from megatron.core.transformer import multi_token_prediction
 from megatron.core.transformer.multi_token_prediction import MultiTokenPredictionBlock, roll_tensor
+
+from parallel.context_parallel import cp_size, local_positions
+
+#: [b, s_local] bool of the micro-batch the model is running: token t and token t + 1 are in the
+#: same document (None: one document per sample)
+_NEXT_IN_DOCUMENT: list = [None]
+
+
+@contextlib.contextmanager
+def document_boundaries(document_ids):
+    """Within this block the MTP rolls stay inside documents (``document_ids`` [b, L], the whole
+    sequence's ids as the attention receives them, or None).
+
+    megatron-core 0.16.1 keeps MTP inside documents only for THD ``packed_seq_params``; with
+    document ids in the attention-mask slot its rolls carry the next document's tokens, labels
+    and loss mask into the end of each document, so depth d at the last d tokens of a document
+    was trained to predict the next document from the wrong context. Here every roll is followed
+    by zeroing the positions whose successor starts another document -- what megatron's packed
+    roll does per sequence -- so inputs, labels and loss mask of a packed sample equal those of
+    its documents run one by one (context parallel ranks pick their zigzag positions)."""
+    before = _NEXT_IN_DOCUMENT[0]
+    keep = None
+    if document_ids is not None:
+        keep = torch.zeros_like(document_ids, dtype=torch.bool)
+        keep[:, :-1] = document_ids[:, 1:] == document_ids[:, :-1]
+        pos = local_positions(document_ids.shape[1] // cp_size(), device=document_ids.device)
+        keep = keep if pos is None else keep[:, pos]
+    _NEXT_IN_DOCUMENT[0] = keep
+    try:
+        yield
+    finally:
+        _NEXT_IN_DOCUMENT[0] = before
+
+
+def _roll_within_documents(tensor, shifts=-1, dims=-1, cp_group=None, packed_seq_params=None):
+    rolled, count = roll_tensor(tensor, shifts=shifts, dims=dims, cp_group=cp_group,
+                                packed_seq_params=packed_seq_params)
+    keep = _NEXT_IN_DOCUMENT[0]
+    if keep is None or packed_seq_params is not None:
+        return rolled, count
+    assert shifts == -1 and rolled.shape == keep.shape, (shifts, rolled.shape, keep.shape)
+    rolled = rolled * keep.to(rolled.dtype)
+    return rolled, rolled.sum()
 
 
 def _roll_tensor_sequence_count(tensor, shifts=-1, dims=-1, cp_group=None, packed_seq_params=None):
@@ -25,8 +71,8 @@ def _roll_tensor_sequence_count(tensor, shifts=-1, dims=-1, cp_group=None, packe
       mean of per-rank means, not the sequence mean: the count becomes the sequence's / cp,
       which makes the CP average exactly the one-rank mean (gradient and logged loss).
     """
-    rolled, count = roll_tensor(tensor, shifts=shifts, dims=dims, cp_group=cp_group,
-                                packed_seq_params=packed_seq_params)
+    rolled, count = _roll_within_documents(tensor, shifts=shifts, dims=dims, cp_group=cp_group,
+                                           packed_seq_params=packed_seq_params)
     if not torch.is_tensor(count):
         return rolled, max(count, 1)
     cp = cp_group.size() if cp_group is not None and packed_seq_params is None else 1
@@ -36,7 +82,8 @@ def _roll_tensor_sequence_count(tensor, shifts=-1, dims=-1, cp_group=None, packe
     return rolled, count.clamp(min=1) / cp if cp > 1 else count.clamp(min=1)
 
 
-gpt_model.roll_tensor = _roll_tensor_sequence_count
+gpt_model.roll_tensor = _roll_tensor_sequence_count  # labels and loss mask of each depth
+multi_token_prediction.roll_tensor = _roll_within_documents  # each depth's input ids and positions
 
 
 class SharedMultiTokenPredictionBlock(MultiTokenPredictionBlock):

@@ -7,7 +7,7 @@ from megatron.core.models.gpt import GPTModel
 
 from model_providers.glm5.config import GLM5Config
 from model_providers.glm5.dsa.modes import apply_dsa_mode
-from model_providers.glm5.mtp import SharedMultiTokenPredictionBlock
+from model_providers.glm5.mtp import SharedMultiTokenPredictionBlock, document_boundaries
 from model_providers.glm5.specs import decoder_block_spec, mtp_block_spec
 
 
@@ -17,13 +17,20 @@ class GLM5Model(GPTModel):
     GPTModel constructs its MTP block itself; the block spec given here has one layer, and the
     block is switched to :class:`SharedMultiTokenPredictionBlock` (same state, a forward that
     applies that layer at every depth) so the parameters exist once. Its MTP losses
-    are sequence means under context parallelism (see ``mtp._roll_tensor_sequence_count``).
+    are sequence means under context parallelism (see ``mtp._roll_tensor_sequence_count``) and
+    stay inside packed documents.
     """
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         if self.mtp_process:
             self.mtp.__class__ = SharedMultiTokenPredictionBlock
+
+    def forward(self, input_ids, position_ids, attention_mask, *args, **kwargs):
+        """``attention_mask`` is None or the micro-batch's document ids [b, L] (see
+        ``dsa.layout``); MTP's shifts then stay inside documents (``mtp.document_boundaries``)."""
+        with document_boundaries(attention_mask if self.mtp_process else None):
+            return super().forward(input_ids, position_ids, attention_mask, *args, **kwargs)
 
 
 def build_model_chunks(cfg: GLM5Config, tcfg, backend: str) -> list[GLM5Model]:

@@ -2,7 +2,8 @@
 attention-mask slot, the per-token LM loss of a packed sample equals the losses of its documents
 run one by one (RoPE at sample positions vs document positions: exact because RoPE is relative
 and attention across documents is masked), in dense, warm-up and sparse DSA modes; so does the
-indexer KL of every decoder layer (packed mean = token-weighted mean of the documents')."""
+indexer KL of every layer, the shared MTP layer included (packed mean = token-weighted mean of the
+documents'), and each MTP depth's loss: MTP's shifts stay inside documents."""
 
 import numpy as np
 import pytest
@@ -68,11 +69,10 @@ def test_packed_sample_equals_documents_run_one_by_one(one_rank, mode):
     if mode == "dense":
         assert packed_kl is None
     else:
-        # decoder layers only: the MTP layer's input at position t embeds token t + depth, which
-        # near a document's end belongs to the next document (megatron's MTP roll is not
-        # document-aware), so its KL legitimately differs
-        assert packed_kl is not None and bool((packed_kl[:4] > 0).all())
-        torch.testing.assert_close(packed_kl[:4] * total, kl_sum[:4], rtol=1e-5, atol=1e-6)
+        # 4 decoder layers and the shared MTP layer (its input at position t embeds token
+        # t + depth: the same as the lone document's only if the shift stops at the document end)
+        assert packed_kl is not None and bool((packed_kl[:5] > 0).all())
+        torch.testing.assert_close(packed_kl[:5] * total, kl_sum[:5], rtol=1e-5, atol=1e-6)
     # without the document ids the packed sample is one causal sequence: the losses differ
     cross = _run(model, tokens, labels, torch.arange(total), None)[0]
     assert not torch.allclose(cross[LENGTHS[0]:], packed_loss[LENGTHS[0]:], rtol=1e-3, atol=1e-4)
@@ -93,3 +93,41 @@ def test_sparse_topk_never_picks_another_documents_key(one_rank):
     # every query sees min(topk, its position in the document + 1) keys
     in_doc = torch.from_numpy(np.concatenate([np.arange(n) for n in LENGTHS]))[8:]
     assert valid[0].sum(-1).tolist() == torch.clamp(in_doc + 1, max=8).tolist()
+
+
+def _mtp_losses(model, tokens, labels, positions, document_ids):
+    """Each MTP depth's loss (loss-token mean) of one training-mode forward."""
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+    MTPLossLoggingHelper.tracker.clear()
+    model.train()
+    model(tokens[None], positions[None], document_ids, labels=labels[None],
+          loss_mask=torch.ones(1, len(tokens)))
+    _kl_per_layer()
+    return MTPLossLoggingHelper.tracker["values"].clone()
+
+
+def test_mtp_targets_stay_inside_documents(one_rank):
+    """Depth d at position t predicts token t + d + 1: in a packed sample the last d positions of
+    each document have no target in it and carry no loss, exactly as the lone document's last d
+    positions (megatron's roll would otherwise train them on the next document's tokens)."""
+    model = _model("dense")
+    total = sum(LENGTHS)
+    stream = torch.randint(0, 500, (total + 1,), generator=torch.Generator().manual_seed(5))
+    tokens, labels = stream[:-1], stream[1:]
+    docs = torch.from_numpy(document_ids_from_lengths(LENGTHS, total))
+    packed = _mtp_losses(model, tokens, labels, torch.from_numpy(position_ids(docs.numpy())), docs[None])
+    depths = torch.arange(1, packed.numel() + 1, dtype=torch.float64)
+    want_sum, start = torch.zeros_like(depths), 0
+    for n in LENGTHS:
+        sl = slice(start, start + n)
+        want_sum += _mtp_losses(model, tokens[sl], labels[sl], torch.arange(n), None).double() * (n - depths)
+        start += n
+    per_depth_tokens = sum(n - depths for n in LENGTHS)
+    torch.testing.assert_close(packed.double() * per_depth_tokens, want_sum, rtol=1e-5, atol=1e-6)
+    # megatron's own shift over the packed sample differs: it crosses the document boundaries
+    from model_providers.glm5 import mtp
+
+    with mtp.document_boundaries(None):
+        crossing = _mtp_losses(model, tokens, labels, torch.from_numpy(position_ids(docs.numpy())), None)
+    assert not torch.allclose(crossing, packed, rtol=1e-3)
