@@ -114,10 +114,12 @@ def finalize(name: str, work_dir: str, tasks: int, files: list[str]) -> dict:
 
 
 def pipeline(name: str, c: CorpusConfig, cfg: DataConfig, files: list[str], tok_path: str, out_dir: str):
+    at_once = 1 if cfg.preprocess.executor == "slurm" else min(cfg.preprocess.workers, num_tasks(cfg))
     return [
         CorpusReader(name, files, c.format, c.text_field, c.messages_field, c.invalid_utf8, cfg.chat),
         IndexedShardWriter(out_dir, tok_path, cfg.tokenizer.eod_token, cfg.preprocess.batch_size,
-                           c.mask_template, c.mask_tool_results),
+                           c.mask_template, c.mask_tool_results,
+                           tasks_per_node=at_once),
     ]
 
 

@@ -19,6 +19,7 @@ from datatrove.utils.tokenization import PipelineStepWithTokenizer
 from data_pipeline.chat import loss_mask, token_kinds
 
 MASK_SUFFIX = "-lossmask"
+WORD_CACHE = 1 << 18  #: BPE words cached per task (tokenizers' default: 10,000)
 
 
 def shard_prefix(out_dir: str, rank: int) -> str:
@@ -30,16 +31,29 @@ class IndexedShardWriter(PipelineStepWithTokenizer):
     type = "🔢 - TOKENIZER"
 
     def __init__(self, out_dir: str, tokenizer_path: str, eod_token: str, batch_size: int,
-                 mask_template: bool = True, mask_tool_results: bool = True):
+                 mask_template: bool = True, mask_tool_results: bool = True, tasks_per_node: int = 1):
         super().__init__(tokenizer_path, eos_token=None)
         self.out_dir, self.eod_token, self.batch_size = out_dir, eod_token, batch_size
         self.mask_template, self.mask_tool_results = mask_template, mask_tool_results
+        self.tasks_per_node = tasks_per_node  #: tasks sharing this machine's cores at once
+
+    def _configure_tokenizer(self):
+        """The task's share of the cores goes to the tokenizer's batch threads (a Slurm task's
+        affinity is its allocation; local tasks split the machine), and BPE's word cache grows
+        from 10k words to WORD_CACHE: code and prose corpora have far more distinct words, and a
+        cache miss re-runs every merge of the word. Neither changes a token."""
+        threads = max(1, len(os.sched_getaffinity(0)) // self.tasks_per_node)
+        os.environ["TOKENIZERS_PARALLELISM"] = "true" if threads > 1 else "false"
+        os.environ["RAYON_NUM_THREADS"] = str(threads)  # read when this process first runs a batch
+        tok = self.tokenizer
+        if hasattr(tok.model, "_resize_cache"):
+            tok.model._resize_cache(WORD_CACHE)
+        return tok
 
     def run(self, data, rank: int = 0, world_size: int = 1):
         from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
 
-        os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one task = one core; tasks give the parallelism
-        tok = self.tokenizer
+        tok = self._configure_tokenizer()
         eod = tok.token_to_id(self.eod_token)
         if eod is None:
             raise ValueError(f"data.tokenizer.eod_token={self.eod_token!r} is not a token of {self.tokenizer_name_or_path}")
