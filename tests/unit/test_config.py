@@ -250,8 +250,9 @@ def test_recompute_options_are_checked_and_reach_megatron():
 YARN = ("model.rope_type=yarn", "model.yarn.factor=4", "model.yarn.original_max_position_embeddings=1024")
 
 
-def test_yarn_reaches_megatron():
+def test_yarn_reaches_megatron_and_the_indexer():
     from model_providers.glm5.config import PrecisionConfig, YarnConfig, to_transformer_config
+    from model_providers.glm5.dsa.indexer import mla_yarn
     from parallel.config import ParallelConfig
 
     rc = _rc(*YARN, "model.yarn.beta_fast=16", "model.yarn.beta_slow=2", "model.yarn.mscale=0.707",
@@ -261,12 +262,13 @@ def test_yarn_reaches_megatron():
     assert (t.rope_type, t.rotary_base, t.rotary_scaling_factor, t.original_max_position_embeddings,
             t.beta_fast, t.beta_slow, t.mscale, t.mscale_all_dim) == ("yarn", 1e6, 4.0, 1024, 16.0, 2.0,
                                                                       0.707, 0.707)
-    assert rc.model.yarn == YarnConfig(4.0, 1024, 16.0, 2.0, 0.707, 0.707)
+    assert mla_yarn(t) == rc.model.yarn == YarnConfig(4.0, 1024, 16.0, 2.0, 0.707, 0.707)
     # plain RoPE ignores model.yarn: megatron's MLA would scale its softmax by
     # yarn_mscale(rotary_scaling_factor, mscale_all_dim)^2 whatever the rope_type
     plain = to_transformer_config(dataclasses.replace(rc.model, rope_type="rope"), ParallelConfig(),
                                   PrecisionConfig())
     assert (plain.rope_type, plain.rotary_base, plain.rotary_scaling_factor) == ("rope", 1e6, 1.0)
+    assert mla_yarn(plain) is None
     validate(_rc("model.yarn.factor=0.5", "model.yarn.beta_fast=0"), 1)  # unused, so not checked
 
 
