@@ -54,6 +54,8 @@ class StageConfig:
     dsa_mode: Optional[str] = None  #: dense | warmup | sparse; null = model.dsa.mode
     trainable: List[str] = field(default_factory=list)  #: regexes over parameter names; empty = all the DSA mode trains
     rope_theta: Optional[float] = None  #: null = model.rope_theta
+    rope_type: Optional[str] = None  #: rope | yarn; null = model.rope_type
+    yarn: Dict[str, Any] = field(default_factory=dict)  #: overrides of model.yarn.* (e.g. factor) for this stage
     recompute: Optional[str] = None  #: activation recomputation for this stage (none | selective | full); null = model.recompute
     parallel: Dict[str, Any] = field(default_factory=dict)  #: overrides of parallel.* for this stage
     optimizer_state: str = "carry"  #: carry (Adam moments continue) | reset (fresh optimizer)
@@ -112,8 +114,6 @@ def _stage_steps(s: StageConfig, where: str, problems: list) -> int:
 
 def _apply(rc, s: StageConfig, steps: int, where: str, problems: list):
     """A copy of ``rc`` with the stage's overrides."""
-    from parallel.config import ParallelConfig
-
     out = copy.deepcopy(rc)
     t = out.trainer
     t.steps = steps
@@ -129,16 +129,14 @@ def _apply(rc, s: StageConfig, steps: int, where: str, problems: list):
         out.model.dsa.mode = s.dsa_mode
     if s.rope_theta is not None:
         out.model.rope_theta = s.rope_theta
+    if s.rope_type is not None:
+        out.model.rope_type = s.rope_type
+    if s.yarn:
+        out.model.yarn = _merged(out.model.yarn, s.yarn, f"{where}.yarn", problems)
     if s.recompute is not None:
         out.model.recompute = None if s.recompute == "none" else s.recompute
     if s.parallel:
-        try:
-            merged = OmegaConf.merge(OmegaConf.structured(out.parallel), dict(s.parallel))
-            out.parallel = OmegaConf.to_object(merged)
-        except Exception as e:  # noqa: BLE001 -- OmegaConf's key/type errors
-            known = [f.name for f in fields(ParallelConfig)]
-            problems.append(f"{where}.parallel={dict(s.parallel)}: {str(e).splitlines()[0]} "
-                            f"(parallel fields: {known})")
+        out.parallel = _merged(out.parallel, s.parallel, f"{where}.parallel", problems)
     out.optimizer.lr = s.lr.peak
     out.optimizer.min_lr = s.lr.end
     muon = out.optimizer.muon
@@ -154,6 +152,18 @@ def _apply(rc, s: StageConfig, steps: int, where: str, problems: list):
     sch.decay_steps = steps
     sch.wsd_decay_steps = s.lr.wsd_decay_steps
     return out
+
+
+def _merged(base, overrides: dict, where: str, problems: list):
+    """``base`` (a dataclass) with a stage's ``overrides`` merged in, type-checked by OmegaConf;
+    on a bad key or value, a problem naming the stage field and ``base`` unchanged."""
+    try:
+        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(base), dict(overrides)))
+    except Exception as e:  # noqa: BLE001 -- OmegaConf's key/type errors
+        known = [f.name for f in fields(base)]
+        problems.append(f"{where}={dict(overrides)}: {str(e).splitlines()[0]} "
+                        f"({type(base).__name__} fields: {known})")
+        return base
 
 
 def _check_stage(s: StageConfig, st: Stage, where: str) -> list:

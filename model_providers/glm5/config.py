@@ -29,6 +29,24 @@ class DSAConfig:
 
 
 @dataclass
+class YarnConfig:
+    """YaRN RoPE scaling, used when ``model.rope_type: yarn`` (GLM-5 itself uses none). Names are
+    HF's ``rope_parameters`` keys and megatron's ``MLATransformerConfig`` fields; megatron builds
+    ``YarnRotaryEmbedding`` from them and the DSA indexer uses the same frequencies and scale.
+
+    ``yarn_mscale(f, m) = 0.1 * m * ln(f) + 1``: cos/sin are multiplied by
+    ``yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)`` and the attention
+    softmax scale by ``yarn_mscale(factor, mscale_all_dim) ** 2``."""
+
+    factor: float = 1.0  #: context extension factor, > 1 (megatron ``rotary_scaling_factor``)
+    original_max_position_embeddings: int = 4096  #: context the un-scaled RoPE was trained at
+    beta_fast: float = 32.0  #: frequencies with more rotations than this (over the original context) are kept
+    beta_slow: float = 1.0  #: ... with fewer than this are divided by ``factor``; a linear ramp between
+    mscale: float = 1.0  #: cos/sin scale numerator (see above)
+    mscale_all_dim: float = 0.0  #: cos/sin scale denominator and softmax scale (DeepSeek-V3: 1.0)
+
+
+@dataclass
 class GLM5Config:
     """The GLM-5 network. Names follow the HF ``GlmMoeDsaConfig`` where one exists.
 
@@ -50,6 +68,8 @@ class GLM5Config:
     make_vocab_size_divisible_by: int = 128  #: padded vocab is a multiple of this * tp
     max_position_embeddings: int = 4096
     rope_theta: float = 1_000_000.0
+    rope_type: str = "rope"  #: rope (plain, GLM-5) | yarn (scaled by ``yarn``)
+    yarn: YarnConfig = field(default_factory=YarnConfig)
     norm_eps: float = 1e-5
     init_std: float = 0.02
     num_experts: Optional[int] = 8
@@ -124,6 +144,7 @@ def validate_model(cfg: GLM5Config, precision: PrecisionConfig, seq_length: int)
         )
     if cfg.qk_rope_head_dim % 2:
         p.append(f"model.qk_rope_head_dim={cfg.qk_rope_head_dim} must be even")
+    p += _rope_problems(cfg)
     if cfg.dsa.mode not in ("dense", "warmup", "sparse"):
         p.append(f"model.dsa.mode={cfg.dsa.mode!r} must be dense, warmup or sparse")
     if cfg.dsa.indexer_dtype not in ("fp8", "bf16", "fp32"):
@@ -148,6 +169,39 @@ def validate_model(cfg: GLM5Config, precision: PrecisionConfig, seq_length: int)
         p.append(f"precision.fp8={precision.fp8} needs precision.dtype=bf16, got {precision.dtype}")
     if p:
         raise ModelConfigError("invalid model config:\n  - " + "\n  - ".join(p))
+
+
+def _rope_problems(cfg: GLM5Config) -> list:
+    if cfg.rope_type not in ("rope", "yarn"):
+        return [f"model.rope_type={cfg.rope_type!r} must be rope or yarn"]
+    if cfg.rope_type == "rope":
+        return []
+    y, p = cfg.yarn, []
+    if not y.factor > 1:
+        p.append(f"model.yarn.factor={y.factor} must be > 1 with model.rope_type=yarn "
+                 "(factor 1 is plain RoPE: model.rope_type=rope)")
+    if y.original_max_position_embeddings <= 0:
+        p.append(f"model.yarn.original_max_position_embeddings={y.original_max_position_embeddings} "
+                 "must be > 0")
+    if not y.beta_fast > y.beta_slow > 0:
+        p.append(f"model.yarn.beta_fast={y.beta_fast} and beta_slow={y.beta_slow} must satisfy "
+                 "beta_fast > beta_slow > 0")
+    if y.mscale < 0 or y.mscale_all_dim < 0:
+        p.append(f"model.yarn.mscale={y.mscale} and mscale_all_dim={y.mscale_all_dim} must be >= 0")
+    return p
+
+
+def _rope(cfg: GLM5Config) -> dict:
+    """megatron's RoPE fields. Plain RoPE keeps ``rotary_scaling_factor`` 1: megatron's MLA
+    multiplies its softmax scale by yarn_mscale(rotary_scaling_factor, mscale_all_dim)^2 whatever
+    the rope_type."""
+    if cfg.rope_type != "yarn":
+        return dict(rope_type="rope", rotary_base=cfg.rope_theta, rotary_scaling_factor=1.0)
+    y = cfg.yarn
+    return dict(rope_type="yarn", rotary_base=cfg.rope_theta, rotary_scaling_factor=y.factor,
+                original_max_position_embeddings=y.original_max_position_embeddings,
+                beta_fast=y.beta_fast, beta_slow=y.beta_slow, mscale=y.mscale,
+                mscale_all_dim=y.mscale_all_dim)
 
 
 def _recompute(cfg: GLM5Config) -> dict:
@@ -204,9 +258,7 @@ def to_transformer_config(cfg: GLM5Config, par: ParallelConfig, precision: Preci
         qk_pos_emb_head_dim=cfg.qk_rope_head_dim,
         v_head_dim=cfg.v_head_dim,
         **_recompute(cfg),
-        rope_type="rope",
-        rotary_base=cfg.rope_theta,
-        rotary_scaling_factor=1.0,
+        **_rope(cfg),
         apply_rope_fusion=False,
         normalization="RMSNorm",
         layernorm_epsilon=cfg.norm_eps,

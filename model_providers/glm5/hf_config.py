@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from model_providers.glm5.config import DSAConfig, GLM5Config
+from model_providers.glm5.config import DSAConfig, GLM5Config, YarnConfig
 
 MODEL_TYPE = "glm_moe_dsa"
 #: HF fields carried through a round trip untouched (not part of the architecture)
@@ -25,14 +25,63 @@ def _fail(problems: list[str], what: str) -> None:
         raise HFConfigError(f"unsupported {what}:\n  - " + "\n  - ".join(problems))
 
 
-def _rope(hf) -> tuple[str, float]:
-    params = getattr(hf, "rope_parameters", None) or {}
-    legacy = getattr(hf, "rope_scaling", None)
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if legacy and legacy.get("rope_type", legacy.get("type", "default")) != "default":
-        rope_type = legacy.get("rope_type", legacy.get("type"))
-    theta = params.get("rope_theta", getattr(hf, "rope_theta", None))
-    return rope_type, theta
+def _rope(hf) -> dict:
+    """HF's RoPE settings as one dict with ``rope_type`` (legacy ``rope_scaling`` / ``type`` too)."""
+    params = dict(getattr(hf, "rope_parameters", None) or {})
+    legacy = getattr(hf, "rope_scaling", None) or {}
+    if legacy.get("rope_type", legacy.get("type", "default")) != "default":
+        params.update(legacy)
+        params["rope_type"] = legacy.get("rope_type", legacy.get("type"))
+    params.setdefault("rope_type", params.get("type", "default"))
+    params.setdefault("rope_theta", getattr(hf, "rope_theta", None))
+    return params
+
+
+def _yarn_from_hf(hf, params: dict) -> YarnConfig:
+    """Our YaRN fields for HF's, with HF's defaults where a key is absent
+    (``modeling_rope_utils._compute_yarn_parameters``: factor = max_position_embeddings /
+    original_max_position_embeddings, beta_fast 32, beta_slow 1)."""
+    original = params.get("original_max_position_embeddings") or hf.max_position_embeddings
+    factor = params.get("factor")
+    return YarnConfig(
+        factor=float(factor if factor is not None else hf.max_position_embeddings / original),
+        original_max_position_embeddings=int(original),
+        beta_fast=float(params.get("beta_fast") or 32.0),
+        beta_slow=float(params.get("beta_slow") or 1.0),
+        mscale=float(params["mscale"]) if params.get("mscale") is not None else 1.0,
+        mscale_all_dim=float(params.get("mscale_all_dim") or 0.0),
+    )
+
+
+def _yarn_problems(params: dict) -> list[str]:
+    """HF YaRN variants megatron's ``YarnRotaryEmbedding`` / MLA softmax scale cannot reproduce.
+
+    HF scales cos/sin by ``attention_factor`` if given, else by mscale(factor, mscale) /
+    mscale(factor, mscale_all_dim) only when both are non-zero, else by mscale(factor, 1);
+    megatron always uses the ratio. Megatron always rounds the correction range (HF's
+    ``truncate: true``)."""
+    p = []
+    if params.get("attention_factor") is not None:
+        p.append(f"rope_parameters.attention_factor={params['attention_factor']}: megatron derives "
+                 "the cos/sin scale from factor, mscale and mscale_all_dim")
+    if params.get("truncate", True) is not True:
+        p.append(f"rope_parameters.truncate={params['truncate']}: megatron always rounds the YaRN "
+                 "correction range to whole dims (truncate: true)")
+    if float(params.get("partial_rotary_factor", 1.0)) != 1.0:
+        p.append(f"rope_parameters.partial_rotary_factor={params['partial_rotary_factor']}: the "
+                 "whole qk_rope_head_dim is rotated")
+    mscale, all_dim = params.get("mscale"), params.get("mscale_all_dim")
+    if all_dim and not mscale:
+        p.append(f"rope_parameters.mscale={mscale} with mscale_all_dim={all_dim}: HF then scales "
+                 "cos/sin by 0.1*ln(factor)+1, megatron by the mscale / mscale_all_dim ratio")
+    if not all_dim and mscale is not None and float(mscale) != 1.0:
+        p.append(f"rope_parameters.mscale={mscale} without mscale_all_dim: HF then ignores mscale, "
+                 "megatron applies it")
+    factor = params.get("factor")
+    if factor is not None and not float(factor) > 1:
+        p.append(f"rope_parameters.factor={factor}: YaRN needs factor > 1 (factor 1 is plain RoPE, "
+                 "rope_type default)")
+    return p
 
 
 def check_hf(hf) -> None:
@@ -40,10 +89,13 @@ def check_hf(hf) -> None:
     p = []
     if getattr(hf, "model_type", None) != MODEL_TYPE:
         p.append(f"model_type={getattr(hf, 'model_type', None)!r} (expected {MODEL_TYPE!r})")
-    rope_type, theta = _rope(hf)
-    if rope_type != "default":
-        p.append(f"rope_parameters.rope_type={rope_type!r} (YaRN / rope_scaling): GLM-5 uses plain RoPE")
-    if theta is None:
+    rope = _rope(hf)
+    if rope["rope_type"] not in ("default", "yarn"):
+        p.append(f"rope_parameters.rope_type={rope['rope_type']!r}: only default (plain RoPE) and "
+                 "yarn are implemented")
+    elif rope["rope_type"] == "yarn":
+        p += _yarn_problems(rope)
+    if rope["rope_theta"] is None:
         p.append("rope_parameters.rope_theta is missing")
     types = list(getattr(hf, "indexer_types", None) or [])
     if any(t != "full" for t in types):
@@ -89,7 +141,8 @@ def glm5_from_hf(hf, **training_fields) -> GLM5Config:
     fields go in as ``dsa={...}``."""
     check_hf(hf)
     dsa_extra = training_fields.pop("dsa", {}) or {}
-    _, theta = _rope(hf)
+    rope = _rope(hf)
+    yarn = _yarn_from_hf(hf, rope) if rope["rope_type"] == "yarn" else YarnConfig()
     dense_only = hf.first_k_dense_replace >= hf.num_hidden_layers
     dsa = dataclasses.replace(
         DSAConfig(), index_heads=hf.index_n_heads, index_head_dim=hf.index_head_dim,
@@ -108,7 +161,9 @@ def glm5_from_hf(hf, **training_fields) -> GLM5Config:
         v_head_dim=hf.v_head_dim,
         vocab_size=hf.vocab_size,
         max_position_embeddings=hf.max_position_embeddings,
-        rope_theta=float(theta),
+        rope_theta=float(rope["rope_theta"]),
+        rope_type="yarn" if rope["rope_type"] == "yarn" else "rope",
+        yarn=yarn,
         norm_eps=hf.rms_norm_eps,
         init_std=hf.initializer_range,
         num_experts=None if dense_only else hf.n_routed_experts,
@@ -129,9 +184,21 @@ def check_exportable(cfg: GLM5Config) -> None:
         p.append("model.dsa.rope_interleaved=false: HF's GlmMoeDsaIndexer rotates interleaved pairs")
     if cfg.dsa.hadamard:
         p.append("model.dsa.hadamard=true: HF's GlmMoeDsaIndexer applies no Hadamard rotation")
+    y = cfg.yarn
+    if cfg.rope_type == "yarn" and not y.mscale_all_dim and y.mscale != 1:
+        p.append(f"model.yarn.mscale={y.mscale} with mscale_all_dim=0: HF then ignores mscale")
+    if cfg.rope_type == "yarn" and y.mscale_all_dim and not y.mscale:
+        p.append(f"model.yarn.mscale=0 with mscale_all_dim={y.mscale_all_dim}: HF then scales cos/sin "
+                 "by 0.1*ln(factor)+1")
     if cfg.num_experts and cfg.num_shared_experts < 1:
         p.append("model.num_shared_experts=0: GlmMoeDsaMoE always has a shared expert")
     _fail(p, "GLM5Config for a Hugging Face export")
+
+
+def _rope_parameters(cfg: GLM5Config) -> dict:
+    if cfg.rope_type != "yarn":
+        return {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    return {"rope_type": "yarn", "rope_theta": cfg.rope_theta, **dataclasses.asdict(cfg.yarn)}
 
 
 def hf_from_glm5(cfg: GLM5Config, passthrough: dict | None = None, dtype: str | None = None):
@@ -167,7 +234,7 @@ def hf_from_glm5(cfg: GLM5Config, passthrough: dict | None = None, dtype: str | 
         initializer_range=cfg.init_std,
         rms_norm_eps=cfg.norm_eps,
         tie_word_embeddings=False,
-        rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
+        rope_parameters=_rope_parameters(cfg),
         index_topk=cfg.dsa.topk,
         index_head_dim=cfg.dsa.index_head_dim,
         index_n_heads=cfg.dsa.index_heads,

@@ -1,7 +1,7 @@
 """All-gather context parallelism for MLA + DSA through the real training entry point: the tiny
 GLM-5 (fp32, 5 steps, one initial checkpoint written at one rank) gives the same per-step losses
 under CP2 and CP2 x TP2 (+SP) as on one rank, in dense, warm-up and sparse DSA modes and on the
-packed long-context mixture (document masks, position resets).
+packed long-context mixture (document masks, position resets), with plain RoPE and YaRN.
 
 Sequence 256 rather than the issue's 1024: the suite runs on 2 CPU cores (the CP split, the
 gathers and the masks are the same code at any length; the 4096-token CP2 stage of
@@ -21,6 +21,11 @@ CASES = {  # name: (nproc, overrides)
     "packed_sparse_cp2": (2, ["parallel=cp2", "model.dsa.mode=sparse", "data.mixture=long_context"]),
     "packed_sparse_cp2_tp2": (4, ["parallel=cp2_tp2", "model.dsa.mode=sparse",
                                   "data.mixture=long_context"]),
+    # YaRN past its original context: MLA's rotary sliced per CP rank, the indexer's at the
+    # queries' global positions
+    "yarn_packed_sparse_cp2": (2, ["parallel=cp2", "model.dsa.mode=sparse", "data.mixture=long_context",
+                                   "model.rope_type=yarn", "model.yarn.factor=4",
+                                   "model.yarn.original_max_position_embeddings=64"]),
 }
 
 

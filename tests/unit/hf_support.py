@@ -47,11 +47,12 @@ def _perturb(module, gen) -> None:
             b.copy_(0.05 * torch.randn(b.shape, generator=gen))
 
 
-def make_model(index_topk: int, seed: int = 0):
+def make_model(index_topk: int, seed: int = 0, **overrides):
+    """Same seed, same weights, whatever ``overrides`` (e.g. ``rope_parameters``) say."""
     from transformers import GlmMoeDsaForCausalLM
 
     torch.manual_seed(seed)
-    model = GlmMoeDsaForCausalLM(hf_config(index_topk))
+    model = GlmMoeDsaForCausalLM(hf_config(index_topk, **overrides))
     _perturb(model, torch.Generator().manual_seed(seed + 1))
     return model.eval()
 
@@ -190,15 +191,15 @@ def topk_margin(indexers, run) -> float:
     return worst
 
 
-def well_separated_tokens(model, mods=None, batch=2, min_margin=1e-4) -> torch.Tensor:
+def well_separated_tokens(model, mods=None, batch=2, min_margin=1e-4, seq=SEQ) -> torch.Tensor:
     """Tokens whose indexer top-k is unambiguous (see :func:`topk_margin`): the first of a few
     fixed seeds whose k-th / (k+1)-th score gap exceeds ``min_margin`` in every layer (and in the
     MTP layer, given its ``mods``)."""
-    if model.config.index_topk >= SEQ:
-        return tokens(batch)
+    if model.config.index_topk >= seq:
+        return tokens(batch, seq)
     indexers = [layer.self_attn.indexer for layer in model.model.layers]
     for seed in range(1, 11):
-        ids = tokens(batch, seed=seed)
+        ids = tokens(batch, seq, seed=seed)
         if mods is None:
             margin = topk_margin(indexers, lambda: model(input_ids=ids))
         else:

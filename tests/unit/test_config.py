@@ -243,3 +243,47 @@ def test_recompute_options_are_checked_and_reach_megatron():
     full = to_transformer_config(GLM5Config(recompute="full"), ParallelConfig(), PrecisionConfig())
     assert (full.recompute_granularity, full.recompute_method, full.recompute_num_layers) == ("full", "uniform", 1)
     assert to_transformer_config(GLM5Config(), ParallelConfig(), PrecisionConfig()).recompute_granularity is None
+
+
+# --- RoPE scaling ------------------------------------------------------------------------------
+
+YARN = ("model.rope_type=yarn", "model.yarn.factor=4", "model.yarn.original_max_position_embeddings=1024")
+
+
+def test_yarn_reaches_megatron_and_the_indexer():
+    from model_providers.glm5.config import PrecisionConfig, YarnConfig, to_transformer_config
+    from model_providers.glm5.dsa.indexer import mla_yarn
+    from parallel.config import ParallelConfig
+
+    rc = _rc(*YARN, "model.yarn.beta_fast=16", "model.yarn.beta_slow=2", "model.yarn.mscale=0.707",
+             "model.yarn.mscale_all_dim=0.707")
+    validate(rc, 1)
+    t = to_transformer_config(rc.model, ParallelConfig(), PrecisionConfig())
+    assert (t.rope_type, t.rotary_base, t.rotary_scaling_factor, t.original_max_position_embeddings,
+            t.beta_fast, t.beta_slow, t.mscale, t.mscale_all_dim) == ("yarn", 1e6, 4.0, 1024, 16.0, 2.0,
+                                                                      0.707, 0.707)
+    assert mla_yarn(t) == rc.model.yarn == YarnConfig(4.0, 1024, 16.0, 2.0, 0.707, 0.707)
+    # plain RoPE ignores model.yarn: megatron's MLA would scale its softmax by
+    # yarn_mscale(rotary_scaling_factor, mscale_all_dim)^2 whatever the rope_type
+    plain = to_transformer_config(dataclasses.replace(rc.model, rope_type="rope"), ParallelConfig(),
+                                  PrecisionConfig())
+    assert (plain.rope_type, plain.rotary_base, plain.rotary_scaling_factor) == ("rope", 1e6, 1.0)
+    assert mla_yarn(plain) is None
+    validate(_rc("model.yarn.factor=0.5", "model.yarn.beta_fast=0"), 1)  # unused, so not checked
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["model.rope_type=ntk"], "model.rope_type='ntk' must be rope or yarn"),
+    (["model.rope_type=yarn"], "model.yarn.factor=1.0 must be > 1 with model.rope_type=yarn"),
+    ([*YARN, "model.yarn.original_max_position_embeddings=0"],
+     "model.yarn.original_max_position_embeddings=0 must be > 0"),
+    ([*YARN, "model.yarn.beta_fast=1"],
+     "model.yarn.beta_fast=1.0 and beta_slow=1.0 must satisfy beta_fast > beta_slow > 0"),
+    ([*YARN, "model.yarn.beta_fast=4", "model.yarn.beta_slow=0"],
+     "model.yarn.beta_fast=4.0 and beta_slow=0.0 must satisfy beta_fast > beta_slow > 0"),
+    ([*YARN, "model.yarn.mscale_all_dim=-0.1"],
+     "model.yarn.mscale=1.0 and mscale_all_dim=-0.1 must be >= 0"),
+])
+def test_bad_rope_scaling(overrides, message):
+    e = _invalid(_rc(*overrides))
+    assert isinstance(e.value, ModelConfigError) and message in str(e.value)

@@ -115,9 +115,37 @@ def test_same_stream_stages_continue_their_data():
     (["curriculum.only=extend_2048"], "curriculum.only='extend_2048' is not a stage"),
     (["curriculum.stages.0.lr.style=cosin"],
      "curriculum.stages[0] (pretrain_general).lr.style='cosin' must be one of"),
+    (["curriculum.stages.4.rope_type=yarn"],
+     "stage 'extend_1024': model.yarn.factor=1.0 must be > 1 with model.rope_type=yarn"),
+    (["curriculum.stages.4.rope_type=yarm", "+curriculum.stages.4.yarn.factor=4"],
+     "stage 'extend_1024': model.rope_type='yarm' must be rope or yarn"),
+    (["curriculum.stages.4.rope_type=yarn", "+curriculum.stages.4.yarn.factor=4",
+      "+curriculum.stages.4.yarn.beta_slow=64"],
+     "stage 'extend_1024': model.yarn.beta_fast=32.0 and beta_slow=64.0 must satisfy"),
+    (["+curriculum.stages.4.yarn.factr=4"],
+     "curriculum.stages[4] (extend_1024).yarn={'factr': 4}: Key 'factr' not in 'YarnConfig'"),
+    (["+curriculum.stages.4.yarn.factor=big"],
+     "curriculum.stages[4] (extend_1024).yarn={'factor': 'big'}: Value 'big' of type 'str' could not "
+     "be converted to Float"),
 ])
 def test_bad_curricula_are_rejected_before_compute(overrides, message):
     assert message in _error(*overrides)
+
+
+def test_a_stage_switches_to_yarn():
+    """Stage overrides are per stage (like rope_theta): extend_1024 trains with YaRN, the others
+    keep the model's plain RoPE; the stage's config is what megatron's MLA is built from."""
+    from model_providers.glm5.config import PrecisionConfig, YarnConfig, to_transformer_config
+
+    stages = plan_run(_rc("curriculum.stages.4.rope_type=yarn", "+curriculum.stages.4.yarn.factor=8",
+                          "+curriculum.stages.4.yarn.original_max_position_embeddings=128"), 1)
+    by = {s.name: s for s in stages}
+    assert by["extend_1024"].rc.model.rope_type == "yarn"
+    assert by["extend_1024"].rc.model.yarn == YarnConfig(factor=8.0, original_max_position_embeddings=128)
+    assert [s.rc.model.rope_type for s in stages] == ["rope"] * 4 + ["yarn", "rope", "rope"]
+    assert by["extend_512"].rc.model.yarn == YarnConfig()
+    t = to_transformer_config(by["extend_1024"].rc.model, by["extend_1024"].rc.parallel, PrecisionConfig())
+    assert (t.rope_type, t.rotary_scaling_factor, t.original_max_position_embeddings) == ("yarn", 8.0, 128)
 
 
 def test_parallel_override_must_divide_the_world():

@@ -1,12 +1,13 @@
 """The lightning indexer against the DSA formula computed naively, chunked vs unchunked, and the
-deterministic top-k (same indices across runs and chunk sizes; ties by position)."""
+deterministic top-k (same indices across runs and chunk sizes; ties by position), and its RoPE
+(plain, and YaRN equal to megatron's MLA rotary)."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from model_providers.glm5.dsa.indexer import index_logits, select_topk
-from model_providers.glm5.dsa.rope import apply_rope, rope_cos_sin
+from model_providers.glm5.dsa.rope import apply_rope, rope_cos_sin, yarn_inv_freq
 from model_providers.glm5.dsa.topk import topk_indices
 
 
@@ -86,3 +87,65 @@ def test_hadamard_rotation_is_orthonormal_and_matches_matrix():
     assert torch.allclose(hadamard_rotate(hadamard_rotate(x)), x, atol=1e-6)
     with pytest.raises(ValueError, match="power-of-two"):
         hadamard_rotate(torch.randn(2, 12))
+
+
+def _megatron_yarn(dim, theta, y):
+    """megatron's own YarnRotaryEmbedding (the MLA rotary) for these settings."""
+    from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import YarnRotaryEmbedding
+
+    from parallel import cpu_emulation
+
+    if not torch.cuda.is_available():
+        cpu_emulation.install()  # get_emb moves its frequencies to torch.cuda.current_device()
+    return YarnRotaryEmbedding(
+        dim, rotary_base=theta, use_cpu_initialization=True, scaling_factor=y.factor,
+        original_max_position_embeddings=y.original_max_position_embeddings, beta_fast=y.beta_fast,
+        beta_slow=y.beta_slow, mscale=y.mscale, mscale_all_dim=y.mscale_all_dim)
+
+
+@pytest.mark.parametrize("dim, theta, yarn", [
+    (8, 1e4, dict(factor=4.0, original_max_position_embeddings=64)),  # cos/sin scale 0.1 ln 4 + 1
+    (8, 1e4, dict(factor=4.0, original_max_position_embeddings=64, mscale=1.0, mscale_all_dim=1.0)),
+    (64, 1e6, dict(factor=8.0, original_max_position_embeddings=512, mscale=1.0, mscale_all_dim=0.707)),
+])
+def test_indexer_yarn_rope_equals_megatrons_mla_rotary(dim, theta, yarn):
+    """The indexer's YaRN cos/sin are megatron's YarnRotaryEmbedding's (the MLA rotary, as HF feeds
+    its indexer the model's cos/sin): the same fp32 frequencies bit for bit, the same scale, and
+    cos/sin within the rounding of megatron's fp32 angles at positions up to 4x the original
+    context. YaRN must differ from plain RoPE there, or this proves nothing."""
+    from model_providers.glm5.config import YarnConfig
+
+    y = YarnConfig(**yarn)
+    orig = y.original_max_position_embeddings
+    rot = _megatron_yarn(dim, theta, y)
+    emb, mscale = rot.get_emb(4 * orig)  # [L, 1, 1, dim]: angles (fp32), twice over
+    cos_mla, sin_mla = rot.get_cached_cos_sin(4 * orig, dtype=torch.float32)  # what MLA applies
+    pos = torch.tensor([0, 1, 5, orig - 1, orig, orig + 3, 2 * orig + 1, 4 * orig - 1])
+    inv_freq, scale = yarn_inv_freq(dim, theta, y)
+    assert torch.equal(inv_freq, emb[1, 0, 0, : dim // 2]) and scale == mscale
+    cos, sin = rope_cos_sin(pos, dim, theta, yarn=y)
+    # megatron rounds each angle (< 4 * orig rad) to fp32: |error| <= angle * 2^-24, times the scale
+    atol = 4 * orig * 2.0 ** -24 * scale + 1e-7
+    torch.testing.assert_close(cos, cos_mla[pos, 0, 0, : dim // 2], rtol=0, atol=atol)
+    torch.testing.assert_close(sin, sin_mla[pos, 0, 0, : dim // 2], rtol=0, atol=atol)
+    plain_cos, _ = rope_cos_sin(pos, dim, theta)
+    assert (cos - plain_cos).abs().max() > 0.1
+
+
+def test_yarn_with_factor_one_is_plain_rope():
+    """YaRN at factor 1 (no extension; validation forbids it, the formula must still degenerate)
+    gives plain RoPE, and plain RoPE is unchanged: fp64 angles of theta^(-2i/dim)."""
+    from model_providers.glm5.config import YarnConfig
+
+    pos = torch.tensor([0, 3, 100, 5000, 70000])
+    inv = 1.0 / (1e6 ** (torch.arange(0, 16, 2, dtype=torch.float64) / 16))
+    cos, sin = rope_cos_sin(pos, 16, 1e6)
+    assert torch.equal(cos, (pos.double()[:, None] * inv).cos().float())
+    assert torch.equal(sin, (pos.double()[:, None] * inv).sin().float())
+    y = YarnConfig(factor=1.0, original_max_position_embeddings=64, mscale=0.5, mscale_all_dim=1.0)
+    inv_yarn, scale = yarn_inv_freq(16, 1e6, y)
+    assert scale == 1.0 and float(((inv_yarn.double() - inv) / inv).abs().max()) <= 2.0 ** -23
+    ycos, ysin = rope_cos_sin(pos, 16, 1e6, yarn=y)
+    # the only difference: YaRN's frequencies are megatron's fp32 ones, so angles differ by <= 2^-23
+    bound = (pos.double()[:, None] * inv * 2.0 ** -23 + 1e-7).float()
+    assert bool(((ycos - cos).abs() <= bound).all()) and bool(((ysin - sin).abs() <= bound).all())

@@ -10,7 +10,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from model_providers.glm5.config import GLM5Config
+from model_providers.glm5.config import GLM5Config, YarnConfig
 from model_providers.glm5.hf_config import HFConfigError, glm5_from_hf, hf_from_glm5
 from model_providers.glm5.hf_mapping import HFReader, hf_names
 from tests.unit import hf_support as hs
@@ -20,6 +20,10 @@ REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 TRAINING_ONLY = {"make_vocab_size_divisible_by", "recompute", "recompute_modules", "moe_bias_update_rate",
                  "moe_aux_loss", "moe_aux_loss_coeff", "mtp_num_steps", "mtp_loss_scale", "layer_backend"}
 DSA_TRAINING_ONLY = {"mode", "kl_coeff", "indexer_dtype", "query_chunk"}
+
+
+#: HF YaRN with only the required keys (HF's defaults for the rest)
+YARN_HF = {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0, "original_max_position_embeddings": 1024}
 
 
 def _model_yaml(name: str) -> GLM5Config:
@@ -77,8 +81,13 @@ def test_hf_config_round_trips_through_glm5():
 @pytest.mark.parametrize("overrides, field", [
     (dict(indexer_types=["full", "shared", "full", "shared"]), "indexer_types"),
     (dict(index_topk_freq=2), "indexer_types"),
-    (dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0,
-                           "original_max_position_embeddings": 1024}), "rope_type"),
+    (dict(rope_parameters={"rope_type": "linear", "rope_theta": 1e4, "factor": 4.0}), "rope_type"),
+    (dict(rope_parameters={**YARN_HF, "attention_factor": 1.2}), "attention_factor"),
+    (dict(rope_parameters={**YARN_HF, "truncate": False}), "truncate"),
+    (dict(rope_parameters={**YARN_HF, "partial_rotary_factor": 0.5}), "partial_rotary_factor"),
+    (dict(rope_parameters={**YARN_HF, "mscale_all_dim": 1.0}), r"mscale=None with mscale_all_dim=1.0"),
+    (dict(rope_parameters={**YARN_HF, "mscale": 0.707}), r"mscale=0.707 without mscale_all_dim"),
+    (dict(rope_parameters={**YARN_HF, "factor": 1.0}), r"factor=1.0: YaRN needs factor > 1"),
     (dict(attention_bias=True), "attention_bias"),
     (dict(mlp_bias=True), "mlp_bias"),
     (dict(tie_word_embeddings=True), "tie_word_embeddings"),
@@ -94,6 +103,76 @@ def test_unsupported_hf_fields_are_rejected_by_name(overrides, field):
     hf = hs.hf_config(index_topk=16, **overrides)
     with pytest.raises(HFConfigError, match=field):
         glm5_from_hf(hf)
+
+
+YARN_VARIANTS = [  # as HF configs carry them
+    YARN_HF,  # cos/sin x (0.1 ln 4 + 1), softmax unscaled
+    {**YARN_HF, "mscale": 1.0, "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1},  # DeepSeek-V3
+    {**YARN_HF, "mscale": 0.707, "mscale_all_dim": 0.707, "truncate": True},  # DeepSeek-V2
+    {**YARN_HF, "mscale": 1.0, "mscale_all_dim": 0.5, "beta_fast": 16.0, "beta_slow": 2.0},
+]
+
+
+@pytest.mark.parametrize("params", YARN_VARIANTS)
+def test_hf_yarn_imports_and_exports_to_the_same_rope(params):
+    """HF -> GLM5Config -> HF keeps what HF computes from the YaRN settings exactly: frequencies,
+    cos/sin scale (``_compute_yarn_parameters``) and softmax scale (``yarn_apply_mscale``); our
+    config maps it onto megatron's (same cos/sin scale and softmax scale formulas)."""
+    from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import (
+        _yarn_get_concentration_factor, _yarn_get_mscale)
+    from transformers.modeling_rope_utils import _compute_yarn_parameters
+    from transformers.models.glm_moe_dsa.modeling_glm_moe_dsa import yarn_apply_mscale
+
+    hf = hs.hf_config(index_topk=16, rope_parameters=dict(params))
+    cfg = glm5_from_hf(hf, mtp_num_steps=3)
+    y = cfg.yarn
+    assert cfg.rope_type == "yarn" and (y.factor, y.original_max_position_embeddings) == (4.0, 1024)
+    again = hf_from_glm5(cfg)
+    inv_a, scale_a = _compute_yarn_parameters(hf)
+    inv_b, scale_b = _compute_yarn_parameters(again)
+    assert torch.equal(inv_a, inv_b) and scale_a == scale_b
+    assert scale_a == _yarn_get_concentration_factor(y.factor, y.mscale, y.mscale_all_dim)
+    softmax = yarn_apply_mscale(hf.rope_parameters, 1.0)
+    assert softmax == yarn_apply_mscale(again.rope_parameters, 1.0)
+    assert softmax == _yarn_get_mscale(y.factor, y.mscale_all_dim) ** 2
+    assert _architecture(glm5_from_hf(again, mtp_num_steps=3)) == _architecture(cfg)
+    if set(params) >= {"mscale", "mscale_all_dim", "beta_fast", "beta_slow"}:  # nothing left to default
+        skip = {"transformers_version", "architectures", "dtype"}
+        src = {k: v for k, v in hf.to_dict().items() if k not in skip}
+        src["rope_parameters"] = {k: v for k, v in src["rope_parameters"].items() if k != "truncate"}
+        assert src == {k: v for k, v in again.to_dict().items() if k not in skip}
+
+
+def test_hf_yarn_defaults():
+    cfg = glm5_from_hf(hs.hf_config(index_topk=16, rope_parameters=dict(YARN_HF)))
+    assert cfg.yarn == YarnConfig(factor=4.0, original_max_position_embeddings=1024, beta_fast=32.0,
+                                  beta_slow=1.0, mscale=1.0, mscale_all_dim=0.0)
+    # original_max_position_embeddings absent: HF takes max_position_embeddings
+    cfg = glm5_from_hf(hs.hf_config(index_topk=16, rope_parameters={"rope_type": "yarn", "rope_theta": 1e4,
+                                                                    "factor": 2.0}))
+    assert cfg.yarn.original_max_position_embeddings == hs.TINY["max_position_embeddings"]
+
+
+@pytest.mark.parametrize("name", ["glm5_744b", "glm5_tiny"])
+def test_glm5_yarn_config_round_trips_through_hf(name):
+    cfg = dataclasses.replace(_model_yaml(name), rope_type="yarn", yarn=YarnConfig(
+        factor=8.0, original_max_position_embeddings=2048, beta_fast=24.0, beta_slow=0.5, mscale=0.9,
+        mscale_all_dim=0.8))
+    hf = hf_from_glm5(cfg)
+    assert hf.rope_parameters == {"rope_type": "yarn", "rope_theta": 1e6, "factor": 8.0,
+                                  "original_max_position_embeddings": 2048, "beta_fast": 24.0,
+                                  "beta_slow": 0.5, "mscale": 0.9, "mscale_all_dim": 0.8}
+    assert _architecture(glm5_from_hf(hf, mtp_num_steps=cfg.mtp_num_steps)) == _architecture(cfg)
+
+
+@pytest.mark.parametrize("yarn, field", [
+    (YarnConfig(factor=4.0, mscale=0.707), "model.yarn.mscale=0.707 with mscale_all_dim=0"),
+    (YarnConfig(factor=4.0, mscale=0.0, mscale_all_dim=1.0), "model.yarn.mscale=0 with mscale_all_dim=1.0"),
+])
+def test_export_rejects_yarn_hf_reads_differently(yarn, field):
+    cfg = dataclasses.replace(_model_yaml("glm5_tiny"), rope_type="yarn", yarn=yarn)
+    with pytest.raises(HFConfigError, match=field):
+        hf_from_glm5(cfg)
 
 
 @pytest.mark.parametrize("dsa, field", [({"hadamard": True}, "hadamard"),

@@ -1,6 +1,7 @@
 """Hugging Face interop against transformers' own ``GlmMoeDsaForCausalLM`` (tiny, random, fp32):
-logits parity through import (dense and DSA-sparse top-k), the MTP module against a reference
-built from transformers' modules, bit-identical import -> export, and a missing MTP module."""
+logits parity through import (dense and DSA-sparse top-k, plain RoPE and YaRN), the MTP module
+against a reference built from transformers' modules, bit-identical import -> export, and a
+missing MTP module."""
 
 from __future__ import annotations
 
@@ -92,6 +93,57 @@ def test_logits_match_transformers(released, index_topk, tmp_path):
         assert _rel_err(ref, dense) > 100 * TOL
         sparse_layers = [m for m in chunks[0].modules() if getattr(m, "last_topk", None) is not None]
         assert len(sparse_layers) == hs.TINY["num_hidden_layers"]
+
+
+YARN_SEQ = 96  #: past the original context of 64
+YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64,
+        "beta_fast": 32.0, "beta_slow": 1.0}
+YARN_CASES = {  # with qk_rope_head_dim 8 the ramp spans dims 0..2: kept, blended, interpolated x2
+    "yarn": {**YARN, "mscale": 1.0, "mscale_all_dim": 0.0},  # cos/sin x (0.1 ln 4 + 1)
+    "yarn_deepseek_v3": {**YARN, "mscale": 1.0, "mscale_all_dim": 1.0},  # softmax x (0.1 ln 4 + 1)^2
+}
+
+
+@pytest.mark.parametrize("case", list(YARN_CASES))
+def test_yarn_logits_match_transformers(one_rank, case, tmp_path):
+    """A YaRN model (4x an original context of 64, 96 tokens, DSA top-16) imported from HF gives
+    HF's logits: megatron's YarnRotaryEmbedding in MLA, the same frequencies and cos/sin scale in
+    the indexer, megatron's softmax scale in DSA attention. Plain RoPE on the same weights gives
+    other logits, so YaRN is really exercised; export writes the same config.json back."""
+    from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import _yarn_get_mscale
+
+    from model_providers.glm5.dsa.attention import DSACoreAttention
+    from model_providers.glm5.hf_convert import export_hf, import_hf
+    from model_providers.glm5.hf_eval import hf_logits, logits
+
+    rope = YARN_CASES[case]
+    shape = dict(max_position_embeddings=256, num_nextn_predict_layers=0)
+    model = hs.make_model(index_topk=16, rope_parameters=dict(rope), **shape)
+    hf_dir = hs.save_hf(model, str(tmp_path / "hf"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        import_hf(hf_dir, str(tmp_path / "ckpt"), mtp_num_steps=0)
+    cfg, chunks = _our_model(str(tmp_path / "ckpt"))
+    assert cfg.rope_type == "yarn" and cfg.yarn.mscale_all_dim == rope["mscale_all_dim"]
+    scale = _yarn_get_mscale(4.0, rope["mscale_all_dim"]) ** 2 / (24 + 8) ** 0.5
+    cores = [m for m in chunks[0].modules() if isinstance(m, DSACoreAttention)]
+    assert len(cores) == 4 and all(c.softmax_scale == pytest.approx(scale, rel=1e-12) for c in cores)
+    assert all(c.indexer.yarn == cfg.yarn for c in cores)
+    tokens = hs.well_separated_tokens(model, batch=1, seq=YARN_SEQ)  # 2 x 96 rows: no clear top-k
+    ours, ref = logits(chunks, tokens, hs.TINY["vocab_size"]), hf_logits(model, tokens)
+    err = _rel_err(ours, ref)
+    print(f"\n{case} seq={YARN_SEQ}: max relative logits error {err:.2e}")
+    assert err < TOL
+    assert all(c.last_topk is not None for c in cores)  # queries 16..95 attended sparsely
+    plain = hf_logits(hs.make_model(index_topk=16, **shape), tokens)
+    assert _rel_err(plain, ref) > 100 * TOL
+    export_hf(str(tmp_path / "ckpt"), str(tmp_path / "export"))
+    with open(os.path.join(hf_dir, "config.json")) as f, \
+            open(os.path.join(tmp_path, "export", "config.json")) as g:
+        a, b = json.load(f), json.load(g)
+    assert a["rope_parameters"] == rope
+    assert {k: v for k, v in a.items() if k != "transformers_version"} == \
+        {k: v for k, v in b.items() if k != "transformers_version"}
 
 
 def test_mtp_matches_transformers_modules(released):

@@ -2,7 +2,8 @@
 
     q = wq_b(q_latent)            per head [H, d]; q_latent is MLA's q after q_a_layernorm
     k = LayerNorm(wk(x))          one key per token [d] (LayerNorm with bias, eps 1e-6)
-    RoPE on the first qk_rope_head_dim dims of q and k (interleaved for GLM-5)
+    RoPE on the first qk_rope_head_dim dims of q and k (interleaved for GLM-5), with MLA's
+    frequencies and cos/sin scale (plain, or YaRN when megatron's ``rope_type`` is yarn)
     optionally a Walsh-Hadamard rotation of q and k (DeepSeek-V3.2; off for GLM-5)
     w = weights_proj(x) * H^-0.5 * d^-0.5
     I(t, s) = sum_h w(t, h) * ReLU(q(t, h) . k(s)),   s <= t
@@ -18,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from megatron.core.transformer.module import MegatronModule
 
+from model_providers.glm5.config import YarnConfig
 from model_providers.glm5.dsa.hadamard import hadamard_rotate
 from model_providers.glm5.dsa.rope import apply_rope, rope_cos_sin
 from model_providers.glm5.dsa.topk import topk_indices
@@ -30,6 +32,7 @@ class LightningIndexer(MegatronModule):
         self.head_dim = dsa.index_head_dim
         self.rope_dim = config.qk_pos_emb_head_dim
         self.rope_theta = config.rotary_base
+        self.yarn = mla_yarn(config)
         self.interleaved = dsa.rope_interleaved
         self.hadamard = dsa.hadamard
         dt = config.params_dtype
@@ -46,7 +49,7 @@ class LightningIndexer(MegatronModule):
         b, s, _ = x_bsh.shape
         q = self.wq_b(q_latent_bsq).view(b, s, self.heads, self.head_dim)
         k = self.k_norm(self.wk(x_bsh))
-        cos, sin = rope_cos_sin(positions, self.rope_dim, self.rope_theta, q.dtype)  # [b, s, r/2]
+        cos, sin = rope_cos_sin(positions, self.rope_dim, self.rope_theta, q.dtype, self.yarn)  # [b, s, r/2]
         r = self.rope_dim
         q = torch.cat([apply_rope(q[..., :r], cos[:, :, None], sin[:, :, None], self.interleaved),
                        q[..., r:]], dim=-1)
@@ -55,6 +58,16 @@ class LightningIndexer(MegatronModule):
             q, k = hadamard_rotate(q), hadamard_rotate(k)
         w = self.weights_proj(x_bsh).float() * (self.heads ** -0.5 * self.head_dim ** -0.5)
         return q, k, w
+
+
+def mla_yarn(config) -> YarnConfig | None:
+    """The YaRN settings of megatron's MLA rotary (None for plain RoPE)."""
+    if getattr(config, "rope_type", "rope") != "yarn":
+        return None
+    return YarnConfig(factor=config.rotary_scaling_factor,
+                      original_max_position_embeddings=config.original_max_position_embeddings,
+                      beta_fast=config.beta_fast, beta_slow=config.beta_slow, mscale=config.mscale,
+                      mscale_all_dim=config.mscale_all_dim)
 
 
 def index_logits(q, k, w, q_offset: int, dtype: str = "fp32", hidden=None) -> torch.Tensor:
