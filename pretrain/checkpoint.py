@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import queue
 import random
 import shutil
 from dataclasses import dataclass, field
@@ -23,6 +24,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedObject
+from megatron.core.dist_checkpointing.strategies import filesystem_async
 
 from parallel import cpu_emulation
 
@@ -203,6 +205,16 @@ def _fsync_tree(path: str) -> None:
         _fsync(dirpath)
 
 
+def _in_process_write_results() -> None:
+    """megatron's torch_dist writer hands its write results back through a queue served by a
+    *spawned* multiprocessing Manager: a fresh interpreter per rank that re-imports the training
+    entry point at the first save (5-10 s of CPU per rank). That queue only has to cross processes
+    for asynchronous saves; ours are synchronous (the write runs in this process, its forked
+    writers report through their own queue), so a plain in-process queue carries the results."""
+    if filesystem_async._results_queue is None:
+        filesystem_async._results_queue = queue.Queue()
+
+
 def save(ckpt_dir: str, model_chunks, optimizer, scheduler, state: TrainState, config_yaml: str,
          keep_last: int = 0, stage_final: bool = False) -> str:
     """Save everything needed to resume bit-exactly; returns the final folder. A stage's final
@@ -219,6 +231,7 @@ def save(ckpt_dir: str, model_chunks, optimizer, scheduler, state: TrainState, c
     sd["train_state"] = vars(state).copy()
     sd["config_yaml"] = config_yaml
     sd["world_size"] = dist.get_world_size()
+    _in_process_write_results()
     dist_checkpointing.save(sd, tmp)
     dist.barrier()
     if dist.get_rank() == 0:
