@@ -20,14 +20,10 @@ CASES = {  # name: (nproc, overrides)
     "dense_cp2": (2, ["parallel=cp2", "model.dsa.mode=dense"]),
     "warmup_cp2": (2, ["parallel=cp2", "model.dsa.mode=warmup"]),
     "sparse_cp2": (2, ["parallel=cp2", "model.dsa.mode=sparse"]),
-    "packed_sparse_cp2": (2, ["parallel=cp2", "model.dsa.mode=sparse", "data.mixture=long_context"]),
-    "packed_sparse_cp2_tp2": (4, ["parallel=cp2_tp2", "model.dsa.mode=sparse",
-                                  "data.mixture=long_context"]),
-    # YaRN past its original context: MLA's rotary sliced per CP rank, the indexer's at the
-    # queries' global positions
-    "yarn_packed_sparse_cp2": (2, ["parallel=cp2", "model.dsa.mode=sparse", "data.mixture=long_context",
-                                   "model.rope_type=yarn", "model.yarn.factor=4",
-                                   "model.yarn.original_max_position_embeddings=64"]),
+    # packed documents, with YaRN past its original context (MLA's rotary sliced per CP rank, the
+    # indexer's at the queries' global positions)
+    "packed_yarn_sparse_cp2": (2, ["parallel=cp2", *PACKED_YARN_SPARSE]),
+    "packed_yarn_sparse_cp2_tp2": (4, ["parallel=cp2_tp2", *PACKED_YARN_SPARSE]),
 }
 
 
@@ -80,11 +76,17 @@ def test_context_parallel_losses_match_one_rank(init_checkpoint, case):
             # In sparse mode top-k is discontinuous: from step 2 on a last-bit difference in an
             # indexer score (CP computes each token's indexer key on its own rank, TP sums
             # partial projections) can swap a near-tied key in or out. The LM loss barely moves,
-            # but the grad norm does (seen 3.6e-5) and the indexer KL most: it is ~3e-4, a
-            # difference of O(1) sums over the selected keys (seen 1.4e-3 at step 5 of CP2 x TP2).
+            # but the indexer KL does: it is ~5e-4, a difference of O(1) sums over the selected
+            # keys (seen 1.4e-3 at step 5 of CP2 x TP2), and so does the grad norm (seen 3.6e-5;
+            # 1.9e-4 in a packed step whose 2 sequences are all masked tool output, where only
+            # the KL and MoE aux losses -- and so `loss` -- remain).
             rel = REL_TOL
-            if sparse and want["step"] > 1 and key in ("grad_norm", "indexer_kl"):
-                rel = 1e-4 if key == "grad_norm" else 5e-3
+            aux_only = want["loss_tokens"] == 0
+            if sparse and want["step"] > 1:
+                if key == "indexer_kl" or (key == "loss" and aux_only):
+                    rel = 5e-3
+                elif key == "grad_norm":
+                    rel = 5e-4 if aux_only else 1e-4
             tol = dict(rel=rel, abs=1e-8 if key == "indexer_kl" else 0)
             assert have[key] == pytest.approx(want[key], **tol), (case, want["step"], key)
     moved = "indexer_kl" if "mode=warmup" in " ".join(overrides) else "lm_loss"
