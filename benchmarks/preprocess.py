@@ -12,6 +12,9 @@
    step consumes (median step time of a short real run).
 3. utilisation of best-fit packing of the sample agent corpus at 8K.
 
+Also the ceiling: the tokenizer alone on the texts in memory on every core (no preprocessing can
+beat it on this machine).
+
 ``python benchmarks/preprocess.py [--mb 100]``
 """
 
@@ -126,6 +129,25 @@ def ours(corpus: str, tokenizer_path: str, cache: str, workers: int):
     return prepare(cfg)["bench"]
 
 
+def tokenizer_ceiling(corpus: str, tokenizer_path: str, tokens: int) -> float:
+    """tokens/s of the BPE alone over the corpus's texts in memory, batched on every core: what
+    no preprocessing of this corpus with this tokenizer on this machine can beat."""
+    code = f"""
+import json, os, sys, time
+os.environ["TOKENIZERS_PARALLELISM"] = "true"
+from tokenizers import Tokenizer
+tok = Tokenizer.from_file({tokenizer_path!r})
+with open({corpus!r}, encoding="utf-8") as f:
+    texts = [json.loads(line)["text"] for line in f]
+t0 = time.perf_counter()
+for i in range(0, len(texts), 512):
+    tok.encode_batch_fast(texts[i:i + 512], add_special_tokens=False)
+print(time.perf_counter() - t0)
+"""
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True)
+    return tokens / float(out.stdout.split()[-1])  # the EOD per document is not BPE work: a hair high
+
+
 def concat_tokens(prefixes, dtype) -> np.ndarray:
     """All tokens of the shards in order (a .bin is the tokens back to back)."""
     return np.concatenate([np.fromfile(p + ".bin", dtype=dtype) for p in prefixes])
@@ -188,12 +210,15 @@ def main() -> None:
             reference = out.stats["tokens"]
             rows.append((workers, reference / walls["tokenizers"], reference / walls["transformers"],
                          reference / t_ours))
+        ceiling = tokenizer_ceiling(corpus, tok_path, reference)
         print(f"\npreprocessing: {size / 1e6:.0f} MB JSON lines, {reference / 1e6:.1f} M tokens, "
               "identical output from all three")
         print(f"{'workers':>7} | {'megatron-style tok/s':>20} | {'megatron+transformers':>21} | {'ours tok/s':>12} | "
               f"{'ours / megatron-style':>21} | {'ours / +transformers':>20}")
         for w, b, h, o in rows:
             print(f"{w:>7} | {b:>20,.0f} | {h:>21,.0f} | {o:>12,.0f} | {o / b:>20.2f}x | {o / h:>19.2f}x")
+        print(f"ceiling: the tokenizer alone on texts in memory, all {os.cpu_count()} cores, no reading or "
+              f"writing: {ceiling:,.0f} tok/s")
 
         tiny, _ = build_datasets(cfg, 128, 1234, os.path.join(tmp, "run"), 512, num_samples=16 * 400)
         long_cfg = default_cfg()

@@ -19,7 +19,6 @@ from datatrove.utils.tokenization import PipelineStepWithTokenizer
 from data_pipeline.chat import loss_mask, token_kinds
 
 MASK_SUFFIX = "-lossmask"
-WORD_CACHE = 1 << 18  #: BPE words cached per task (tokenizers' default: 10,000)
 
 
 def shard_prefix(out_dir: str, rank: int) -> str:
@@ -39,16 +38,11 @@ class IndexedShardWriter(PipelineStepWithTokenizer):
 
     def _configure_tokenizer(self):
         """The task's share of the cores goes to the tokenizer's batch threads (a Slurm task's
-        affinity is its allocation; local tasks split the machine), and BPE's word cache grows
-        from 10k words to WORD_CACHE: code and prose corpora have far more distinct words, and a
-        cache miss re-runs every merge of the word. Neither changes a token."""
+        affinity is its allocation; local tasks split the machine). Tokens do not change."""
         threads = max(1, len(os.sched_getaffinity(0)) // self.tasks_per_node)
         os.environ["TOKENIZERS_PARALLELISM"] = "true" if threads > 1 else "false"
         os.environ["RAYON_NUM_THREADS"] = str(threads)  # read when this process first runs a batch
-        tok = self.tokenizer
-        if hasattr(tok.model, "_resize_cache"):
-            tok.model._resize_cache(WORD_CACHE)
-        return tok
+        return self.tokenizer
 
     def run(self, data, rank: int = 0, world_size: int = 1):
         from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
