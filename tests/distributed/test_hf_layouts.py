@@ -84,12 +84,15 @@ def test_loss_cli_at_tp2_pp2_ep2_equals_one_rank_and_transformers(imported):
 def _model_overrides(ckpt: str) -> list[str]:
     """Hydra overrides describing the imported architecture (the import writes them as YAML)."""
     model = OmegaConf.to_container(OmegaConf.load(os.path.join(ckpt, "glm5_model.yaml")))
-    dsa = model.pop("dsa")
-    def value(v):
-        return "null" if v is None else v
 
-    return ([f"model.{k}={value(v)}" for k, v in model.items()]
-            + [f"model.dsa.{k}={value(v)}" for k, v in dsa.items()])
+    def flat(prefix, node):
+        for k, v in node.items():
+            if isinstance(v, dict):  # nested groups (dsa, yarn): one override per leaf
+                yield from flat(f"{prefix}.{k}", v)
+            else:
+                yield f"{prefix}.{k}={'null' if v is None else v}"
+
+    return list(flat("model", model))
 
 
 @pytest.mark.heavy
