@@ -3,7 +3,7 @@ GLM-5 at sequence 1024 (fp32, 5 steps, one initial checkpoint written at one ran
 per-step losses under CP2 and CP2 x TP2 (+SP) as on one rank, in dense, warm-up and sparse DSA
 modes and on the packed long-context mixture (document masks, position resets) with YaRN RoPE.
 
-Two layers (one dense-FFN, one MoE, both with DSA) and one micro-batch of 2 sequences per step
+Two layers (one dense-FFN, one MoE, both with DSA), one sequence per step and 256-query DSA chunks
 keep the 10 launches within the 2-core CI budget; every code path of the full tiny model runs."""
 
 import pytest
@@ -49,7 +49,7 @@ def init_checkpoint(tmp_path_factory):
 
 def _common(ckpt, run_dir):
     return [f"trainer.run_dir={run_dir}", f"trainer.steps={STEPS}", f"trainer.seq_length={SEQ}",
-            "trainer.global_batch_size=2", "trainer.micro_batch_size=2", MODEL,
+            "trainer.global_batch_size=1", "trainer.micro_batch_size=1", MODEL, "model.dsa.query_chunk=256",
             "model.dsa.topk=128",
             f"checkpoint.init_from={ckpt}", "checkpoint.save_at_end=false"]
 
