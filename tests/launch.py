@@ -5,8 +5,10 @@ from __future__ import annotations
 import json
 import os
 import socket
+import signal
 import subprocess
 import sys
+import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -47,6 +49,15 @@ def run_train(overrides: list[str], nproc: int = 1, timeout: int = 600) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def initial_checkpoint(root, *overrides: str):
+    """One rank writes step 0 (the seeded initial weights) under ``root/init``; parity tests start
+    every layout from it. Returns the checkpoint folder."""
+    run_train([f"trainer.run_dir={root / 'init'}", "trainer.steps=0", *overrides])
+    ckpt = root / "init" / "checkpoints" / "iter_0000000"
+    assert (ckpt / "metadata.json").exists()
+    return ckpt
+
+
 def read_metrics(run_dir: str) -> list[dict]:
     """metrics.jsonl, keeping the last record per step (a resumed run rewrites steps)."""
     by_step = {}
@@ -71,3 +82,51 @@ def checkpoint_tensors(ckpt_dir, scratch_dir) -> dict:
     finally:
         dist.destroy_process_group()
     return {k: v for k, v in tensors.items() if isinstance(v, torch.Tensor)}
+
+
+def _kill_tree(proc) -> None:
+    """SIGKILL the launcher and every process under it (torchrun starts ranks in new sessions)."""
+    import psutil
+
+    try:
+        tree = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        tree = []
+    for p in [psutil.Process(proc.pid), *tree] if proc.poll() is None else tree:
+        try:
+            os.kill(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.wait()
+
+
+def kill_after_checkpoint(overrides: list[str], latest_file, wanted: str, nproc: int = 1,
+                          timeout: int = 600) -> None:
+    """Start a run and SIGKILL all of it as soon as ``latest_file`` names checkpoint ``wanted``."""
+    proc = subprocess.Popen(train_command([*QUIET, *overrides], nproc), cwd=REPO, env=train_env(nproc),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + timeout
+    try:
+        while time.time() < deadline:
+            if latest_file.exists() and latest_file.read_text().strip() == wanted:
+                return
+            assert proc.poll() is None, "the run ended before it could be killed"
+            time.sleep(0.02)
+        raise AssertionError("no checkpoint appeared in time")
+    finally:
+        _kill_tree(proc)
+
+
+def assert_resumed_equals_straight(straight, resumed, steps: int, scratch_dir) -> tuple[dict, dict]:
+    """The resumed run logged every step of the straight one with the same losses, LR, grad norm
+    and tokens bit for bit; returns both final checkpoints' tensors (same keys) for more checks."""
+    want, have = read_metrics(str(straight)), read_metrics(str(resumed))
+    assert [r["step"] for r in have] == list(range(1, steps + 1))
+    for a, b in zip(want, have):
+        for key in ("loss", "lm_loss", "mtp_loss", "lr", "grad_norm", "consumed_tokens"):
+            assert a[key] == b[key], (a["step"], key, a[key], b[key])
+    final = f"iter_{steps:07d}"
+    w_straight = checkpoint_tensors(straight / "checkpoints" / final, scratch_dir)
+    w_resumed = checkpoint_tensors(resumed / "checkpoints" / final, scratch_dir)
+    assert w_straight.keys() == w_resumed.keys()
+    return w_straight, w_resumed

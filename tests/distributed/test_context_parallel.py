@@ -8,7 +8,7 @@ keep the 10 launches within the 2-core CI budget; every code path of the full ti
 
 import pytest
 
-from tests.launch import read_metrics, run_train
+from tests.launch import initial_checkpoint, read_metrics, run_train
 
 STEPS = 5
 SEQ = 1024
@@ -43,8 +43,7 @@ def _one_rank(root, ckpt, single) -> list:
 @pytest.fixture(scope="module")
 def init_checkpoint(tmp_path_factory):
     root = tmp_path_factory.mktemp("cp")
-    run_train([f"trainer.run_dir={root / 'init'}", "trainer.steps=0", MODEL])
-    return root, root / "init" / "checkpoints" / "iter_0000000"
+    return root, initial_checkpoint(root, MODEL)
 
 
 def _common(ckpt, run_dir):

@@ -7,8 +7,7 @@ import json
 
 import pytest
 
-from tests.distributed.test_resume import _kill_after_checkpoint
-from tests.launch import read_metrics, run_train
+from tests.launch import kill_after_checkpoint, read_metrics, run_train
 
 TIMING = ("step_time_s", "tokens_per_s", "tflops_per_s")
 
@@ -53,7 +52,7 @@ def test_kill_inside_third_stage_and_resume_writes_the_same_metrics(conf_dir, tm
 
     resumed = tmp_path / "resumed"
     overrides = _overrides(conf_dir, resumed, "checkpoint.save_every=1", "checkpoint.keep_last=1")
-    _kill_after_checkpoint(overrides, resumed / "checkpoints" / "latest",
+    kill_after_checkpoint(overrides, resumed / "checkpoints" / "latest",
                            "iter_0000006")
     killed = read_metrics(str(resumed))
     assert killed[-1]["stage"] == "indexer_warmup" and killed[-1]["stage_step"] == 2

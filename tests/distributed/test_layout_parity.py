@@ -10,7 +10,7 @@ import os
 
 import pytest
 
-from tests.launch import read_metrics, run_train
+from tests.launch import initial_checkpoint, read_metrics, run_train
 
 STEPS = 5
 LAYOUTS = {
@@ -26,10 +26,7 @@ REL_TOL = 1e-5
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     root = tmp_path_factory.mktemp("parity")
-    init = root / "init"
-    run_train([f"trainer.run_dir={init}", "trainer.steps=0"])
-    ckpt = init / "checkpoints" / "iter_0000000"
-    assert (ckpt / "metadata.json").exists()
+    ckpt = initial_checkpoint(root)
     ref_dir = root / "single"
     run_train(_common(ckpt, ref_dir))
     return root, ckpt, read_metrics(str(ref_dir))

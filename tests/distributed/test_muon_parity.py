@@ -11,7 +11,7 @@ the one being compared (its losses differ once an update with LR > 0 was applied
 
 import pytest
 
-from tests.launch import read_metrics, run_train
+from tests.launch import initial_checkpoint, read_metrics, run_train
 
 STEPS = 5
 REL_TOL = 1e-5
@@ -35,9 +35,7 @@ def _common(ckpt, run_dir):
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     root = tmp_path_factory.mktemp("muon_parity")
-    init = root / "init"
-    run_train([f"trainer.run_dir={init}", "trainer.steps=0"])
-    ckpt = init / "checkpoints" / "iter_0000000"
+    ckpt = initial_checkpoint(root)
     run_train(_common(ckpt, root / "single") + MUON)
     return root, ckpt, read_metrics(str(root / "single"))
 
