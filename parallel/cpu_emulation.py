@@ -237,6 +237,27 @@ def _patch_distributed_optimizer_for_torch_adam() -> None:
     DistributedOptimizer._set_main_param_and_optimizer_states = set_states_keeping_step
 
 
+def _single_threaded_helper_threads() -> None:
+    """Keep the intra-op thread count for the calling (training) thread, and make every thread
+    started later -- gloo's per-group work threads above all -- run torch ops on one thread.
+
+    gloo copies gathered tensors on its own work threads with ``at::parallel_for``, so each work
+    thread that ever ran an all-gather owns an OpenMP team for the rest of its life. libgomp counts
+    the threads of every team in the process; once that count exceeds the cores it throttles
+    its spin-wait, and every parallel region of the training thread then sleeps and wakes its
+    workers through the kernel: steps ran 1.7x slower after the first checkpoint load or save
+    (a stage change does both). torch initialises a new thread's OpenMP thread count from the
+    process-wide value that ``torch.set_num_threads`` stores, while each thread keeps its own
+    once set: store 1 from a short-lived thread, after the training thread has fixed its own.
+    """
+    import threading
+
+    torch.set_num_threads(torch.get_num_threads())  # pin this thread's own count first
+    helper = threading.Thread(target=torch.set_num_threads, args=(1,), name="omp-one-thread")
+    helper.start()
+    helper.join()
+
+
 def install() -> bool:
     """Install every patch once, when CUDA is unavailable. Returns whether emulation is active."""
     global _INSTALLED, _MODE
@@ -250,6 +271,7 @@ def install() -> bool:
     _patch_distributed_optimizer_for_torch_adam()
     dist.all_to_all_single = _all_to_all_single_with_list_splits(dist.all_to_all_single)
     dist.all_gather = _all_gather_uneven(dist.all_gather)
+    _single_threaded_helper_threads()
     _MODE = CudaDeviceToCpuMode()
     _MODE.__enter__()
     _INSTALLED = True

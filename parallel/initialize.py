@@ -14,7 +14,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from parallel import cpu_emulation
+from parallel import cpu_emulation, megatron_compat
 from parallel.config import ParallelConfig
 
 
@@ -92,6 +92,7 @@ def start_process_group(env: DistEnv, timeout_s: int = 600) -> str:
     """init_process_group with NCCL when CUDA is present, gloo otherwise. Returns the backend."""
     if dist.is_initialized():
         return dist.get_backend()
+    megatron_compat.install()
     use_cuda = torch.cuda.is_available()
     if use_cuda:
         torch.cuda.set_device(env.local_rank % torch.cuda.device_count())
@@ -108,23 +109,60 @@ def start_process_group(env: DistEnv, timeout_s: int = 600) -> str:
     return backend
 
 
+def _layout_key(par: ParallelConfig) -> tuple:
+    return (par.tp, par.pp, par.vpp if par.vpp and par.vpp > 1 else None, par.cp, par.ep, par.expert_tp)
+
+
+def _groups_layout() -> tuple | None:
+    """The layout megatron's current groups were built for (None: none built)."""
+    from megatron.core import parallel_state as ps
+
+    if not ps.model_parallel_is_initialized():
+        return None
+    return (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),
+            ps.get_virtual_pipeline_model_parallel_world_size(), ps.get_context_parallel_world_size(),
+            ps.get_expert_model_parallel_world_size(), ps.get_expert_tensor_parallel_world_size())
+
+
+def destroy_model_parallel_groups() -> None:
+    """Forget megatron's groups and destroy every process group but the default one.
+
+    megatron's ``destroy_model_parallel`` only drops its references (and destroys its gloo
+    data-parallel groups); the groups themselves stay registered with torch.distributed, each
+    with its communicator threads (gloo) or device buffers (NCCL), for the life of the process.
+    Call on every rank: all of them built the same groups.
+    """
+    from megatron.core import parallel_state
+
+    default = dist.distributed_c10d._get_default_group()
+    groups = [g for g in list(dist.distributed_c10d._world.pg_map) if g is not default]
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    for group in groups:
+        if group in dist.distributed_c10d._world.pg_map:  # megatron destroys its gloo DP groups
+            dist.destroy_process_group(group)
+
+
 def initialize(par: ParallelConfig, seed: int, env: DistEnv | None = None) -> DistEnv:
     """Process group + megatron model-parallel groups + seeds (incl. the model-parallel RNG
-    tracker). Idempotent for the process group; rebuilds megatron's groups."""
+    tracker). Idempotent for the process group; megatron's groups are kept when the layout is
+    the one they were built for and destroyed and rebuilt when it changes (curriculum stages)."""
     from megatron.core import parallel_state, tensor_parallel
 
     env = env or dist_env()
     start_process_group(env)
-    if parallel_state.model_parallel_is_initialized():
-        parallel_state.destroy_model_parallel()
-    parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=par.tp,
-        pipeline_model_parallel_size=par.pp,
-        virtual_pipeline_model_parallel_size=par.vpp if par.vpp and par.vpp > 1 else None,
-        context_parallel_size=par.cp,
-        expert_model_parallel_size=par.ep,
-        expert_tensor_parallel_size=par.etp,
-    )
+    layout = _layout_key(par)
+    if parallel_state.model_parallel_is_initialized() and layout != _groups_layout():
+        destroy_model_parallel_groups()
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=par.tp,
+            pipeline_model_parallel_size=par.pp,
+            virtual_pipeline_model_parallel_size=layout[2],
+            context_parallel_size=par.cp,
+            expert_model_parallel_size=par.ep,
+            expert_tensor_parallel_size=par.etp,
+        )
     set_seeds(seed)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
     return env

@@ -8,6 +8,7 @@ last stdout line.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 
@@ -116,6 +117,7 @@ def run(rc: RunConfig, config_yaml: str) -> dict:
 
     from model_providers.glm5.specs import resolve_backend
     from parallel.initialize import dist_env, start_process_group
+    from parallel.megatron_compat import release_cached_modules
     from pretrain import checkpoint
     from pretrain.curriculum import where_to_begin
     from pretrain.metrics import MetricsSink
@@ -152,6 +154,8 @@ def run(rc: RunConfig, config_yaml: str) -> dict:
     for i, st in enumerate(todo):
         last = i == len(todo) - 1
         run_stage(st, how, latest, ctx, save_final=rc.checkpoint.save_at_end or not last)
+        release_cached_modules()
+        gc.collect()  # the finished stage's model, grad buffers and optimizer, before the next
         latest, how = checkpoint.latest_checkpoint(ckpt_dir), "carry"
         if env.rank == 0 and rc.curriculum.plot and rc.curriculum.stages:
             plot_curriculum(read_metrics(metrics_path), os.path.join(run_dir, "curriculum.png"))

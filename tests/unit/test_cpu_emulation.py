@@ -590,3 +590,27 @@ def test_distributed_optimizer_load_gives_each_parameter_its_own_adam_step():
     assert steps_after_load_and_one_step(DistributedOptimizer.load_state_dict) == (False, [3, 3])
     unpatched = DistributedOptimizer.load_state_dict.__wrapped__
     assert steps_after_load_and_one_step(unpatched) == (True, [4, 4])  # one increment per parameter
+
+
+# --- intra-op threads of helper threads ------------------------------------------------------
+
+
+def test_threads_started_later_run_torch_ops_on_one_thread_and_this_one_keeps_its_count():
+    """gloo's work threads copy gathered tensors with at::parallel_for; with more than one
+    intra-op thread each would own an OpenMP team for its life, and libgomp then throttles the
+    training thread's spin-waits (every step after the first checkpoint ran 1.7x slower)."""
+    import threading
+
+    seen = []
+
+    def worker():
+        torch.ones(1 << 16).sum()  # first parallel op of this thread initialises its count
+        seen.append(torch.get_num_threads())
+
+    before = torch.get_num_threads()
+    cpu_emulation._single_threaded_helper_threads()
+    thread = threading.Thread(target=worker)
+    thread.start()
+    thread.join()
+    assert seen == [1]
+    assert torch.get_num_threads() == before
