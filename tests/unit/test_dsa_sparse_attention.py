@@ -1,5 +1,6 @@
 """Sparse MLA (absorbed form) against plain references: a masked dense softmax over the same
-selected keys (k < L), and ordinary dense MLA attention with per-head keys/values (k >= L)."""
+selected keys (k < L), and ordinary dense MLA attention with per-head keys/values (k >= L); in
+bf16 it must be as accurate as fp32 math rounded once, and its backward bitwise reproducible."""
 
 import pytest
 import torch
@@ -11,6 +12,8 @@ from model_providers.glm5.dsa.topk import topk_indices
 
 torch.set_default_dtype(torch.float32)
 
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
 
 def _rel(a, b):
     return float((a - b).norm() / b.norm())
@@ -18,14 +21,18 @@ def _rel(a, b):
 
 def _masked_dense_reference(q, kv, idx, valid, scale, dv):
     """softmax over ALL keys with everything outside the selected (valid) set masked."""
-    b, s, n, _ = q.shape
-    L = kv.shape[1]
-    allowed = torch.zeros(b, s, L, dtype=torch.bool)
-    allowed.scatter_(-1, idx, valid)
-    scores = torch.einsum("bsnd,bld->bsnl", q, kv) * scale
-    scores = scores.masked_fill(~allowed[:, :, None, :], float("-inf"))
+    scores = _masked_dense_scores(q, kv, idx, valid, scale)
     p = scores.softmax(-1)
     return torch.einsum("bsnl,bld->bsnd", p, kv[..., :dv]), p.sum(2)
+
+
+def _masked_dense_scores(q, kv, idx, valid, scale):
+    """[b, s, n, L] scores, -inf outside each query's selected (valid) keys."""
+    b, s = q.shape[:2]
+    allowed = torch.zeros(b, s, kv.shape[1], dtype=torch.bool, device=q.device)
+    allowed.scatter_(-1, idx, valid)
+    scores = torch.einsum("bsnd,bld->bsnl", q, kv) * scale
+    return scores.masked_fill(~allowed[:, :, None, :], float("-inf"))
 
 
 def _random_selection(b, s, L, k, gen):
@@ -102,3 +109,68 @@ def test_memory_is_linear_in_k_not_length():
     saved = out.grad_fn.saved_tensors
     assert max(t.numel() for t in saved) <= max(s * n * D, s * k)
     assert all(t.numel() < s * s for t in saved)
+
+
+def _shared_key_case(device, s=128, n=8, lora=64, rope=16, k=32, seed=3):
+    """bf16 q, kv and output gradient over a causal top-k in which key 0 is selected by every
+    query, so its dkv row sums s * n contributions."""
+    gen = torch.Generator().manual_seed(seed)
+    D = lora + rope
+    scores = torch.randn(1, s, s, generator=gen)
+    scores[..., 0] = float("inf")
+    causal = torch.arange(s)[None, None, :] > torch.arange(s)[None, :, None]
+    idx = topk_indices(scores.masked_fill(causal, float("-inf")), k)
+    valid = idx <= torch.arange(s)[None, :, None]
+    assert bool((idx == 0).any(-1).all())
+    q = torch.randn(1, s, n, D, generator=gen).bfloat16()
+    kv = torch.randn(1, s, D, generator=gen).bfloat16()
+    grad = torch.randn(1, s, n, lora, generator=gen).bfloat16()
+    q, kv, grad, idx, valid = (t.to(device) for t in (q, kv, grad, idx, valid))
+    return q, kv, grad, idx, valid, D ** -0.5, lora
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_bf16_is_fp32_math_rounded_once(device):
+    """bf16 inputs: o, dq and dkv (the shared key's row too) within 2e-3 of fp32 math on fp32
+    copies of the same inputs (rounding an fp32 result to bf16 alone costs ~1.7e-3; bf16
+    statistics and bf16 dkv accumulation cost ~1e-2)."""
+    q, kv, grad, idx, valid, scale, dv = _shared_key_case(device)
+    q.requires_grad_(), kv.requires_grad_()
+    out, probs = sparse_latent_attention(q, kv, idx, valid, scale, dv, 16)
+    gq, gkv = torch.autograd.grad(out, (q, kv), grad)
+    assert out.dtype == gq.dtype == gkv.dtype == torch.bfloat16
+
+    q32, kv32 = (t.detach().float().requires_grad_() for t in (q, kv))
+    ref, ref_probs = _masked_dense_reference(q32, kv32, idx, valid, scale, dv)
+    rq, rkv = torch.autograd.grad(ref, (q32, kv32), grad.float())
+    assert _rel(out.detach().float(), ref.detach()) <= 2e-3
+    assert _rel(gq.float(), rq) <= 2e-3
+    assert _rel(gkv.float(), rkv) <= 2e-3
+    assert _rel(gkv[:, 0].float(), rkv[:, 0]) <= 2e-3
+    assert _rel(probs, ref_probs.detach().gather(-1, idx) * valid) <= 1e-5
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_bf16_statistics_are_fp32(device):
+    """head_probs (the KL target) and the saved log-sum-exp are fp32 values of fp32 math."""
+    q, kv, _, idx, valid, scale, dv = _shared_key_case(device, s=48, k=16)
+    q.requires_grad_()
+    out, probs = sparse_latent_attention(q, kv, idx, valid, scale, dv, 16)
+    (lse,) = [t for t in out.grad_fn.saved_tensors if t.shape == q.shape[:3]]
+    assert probs.dtype == lse.dtype == torch.float32
+    ref_lse = _masked_dense_scores(q.detach().float(), kv.float(), idx, valid, scale).logsumexp(-1)
+    assert _rel(lse, ref_lse) <= 1e-6
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_backward_is_bitwise_reproducible(device, dtype):
+    """Two backward passes over the same inputs give identical dq and dkv (the shared key's dkv
+    row sums contributions of every query: an atomic scatter-add would order them by chance)."""
+    q, kv, grad, idx, valid, scale, dv = _shared_key_case(device, s=192, k=48, seed=4)
+    q, kv, grad = (t.to(dtype) for t in (q, kv, grad))
+    q.requires_grad_(), kv.requires_grad_()
+    out, _ = sparse_latent_attention(q, kv, idx, valid, scale, dv, 32)
+    first = torch.autograd.grad(out, (q, kv), grad, retain_graph=True)
+    second = torch.autograd.grad(out, (q, kv), grad)
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
