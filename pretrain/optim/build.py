@@ -106,7 +106,8 @@ def _assembly(wrapper: DistributedOptimizer, specs: dict, main_of: dict) -> DPAs
     for model_param, main in main_of.items():
         r = wrapper._get_model_param_range_map(model_param)["param"]
         placements[main] = ShardPlacement(offsets[model_param], model_param.numel(), r.start, r.end)
-    return DPAssembly(wrapper.data_parallel_group, numel, placements)
+    device = wrapper.buffers[0].grad_data.device  # the parameters' (torch.cuda.current_device())
+    return DPAssembly(wrapper.data_parallel_group, numel, placements, device)
 
 
 def _adopt(wrapper, specs: dict, hyper: MuonHyper, opt: OptimizerConfig) -> None:

@@ -7,13 +7,17 @@ expert, so experts are orthogonalised one by one), the MTP ``eh_proj`` and the D
 projections when they train. Adam keeps the embedding, the output layer, norms, the router and
 every other non-2-D parameter. Frozen parameters (``requires_grad=False``) are in neither.
 
-Tensor parallelism: megatron shards ``linear_q_up_proj`` / ``linear_kv_up_proj`` by head, so with
-``split=per_head`` every block is TP-local and needs no communication. Any other TP-sharded matrix
-(column-parallel: rows split; row-parallel: columns split) is gathered to the full matrix over its
-TP group, orthogonalised whole on every TP rank, and each rank keeps its own shard: the update is
-the one-rank update exactly (up to summation order), at the cost of one all-gather of the matrix
-and TP-fold duplicated Newton-Schulz work. Gathered row order does not matter (fc1's [gate; up]
-interleaves per rank): orthogonalisation commutes with row and column permutations.
+Tensor parallelism: a matrix's split is read from its ``tensor_model_parallel`` / ``partition_dim``
+attributes, which the model provider sets from each layer's layout under every backend
+(``model_providers.glm5.tp_attributes``; Transformer Engine's own marks call replicated and
+row-parallel expert weights split along dim 0). megatron shards ``linear_q_up_proj`` /
+``linear_kv_up_proj`` by head, so with ``split=per_head`` every block is TP-local and needs no
+communication. Any other TP-sharded matrix (column-parallel: rows split; row-parallel: columns
+split) is gathered to the full matrix over its TP group, orthogonalised whole on every TP rank, and
+each rank keeps its own shard: the update is the one-rank update exactly (up to summation order),
+at the cost of one all-gather of the matrix and TP-fold duplicated Newton-Schulz work. Gathered row
+order does not matter (fc1's [gate; up] interleaves per rank): orthogonalisation commutes with row
+and column permutations.
 """
 
 from __future__ import annotations

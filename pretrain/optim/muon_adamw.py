@@ -57,13 +57,17 @@ class ShardPlacement:
 
 
 class DPAssembly:
-    """Rebuilds whole matrices from the DP ranks' shards (see the module docstring)."""
+    """Rebuilds whole matrices from the DP ranks' shards (see the module docstring). ``device``
+    is the parameters' (megatron's grad buffers'): the buffer is all-reduced (NCCL on GPUs) and
+    Newton-Schulz runs on views of it; a rank that owns no Muon shard still joins the all-reduce,
+    so the device cannot be taken from its directions."""
 
-    def __init__(self, group, numel: int, placements: dict):
+    def __init__(self, group, numel: int, placements: dict, device: torch.device):
         self.group, self.numel, self.placements = group, numel, placements
+        self.device = torch.device(device)
 
     def gather(self, directions: dict) -> dict:
-        flat = torch.zeros(self.numel, dtype=torch.float32)
+        flat = torch.zeros(self.numel, dtype=torch.float32, device=self.device)
         for p, d in directions.items():
             at = self.placements[p]
             flat[at.offset + at.start: at.offset + at.end] = d

@@ -141,6 +141,22 @@ def test_split_update_is_the_blocks_orthogonalised_independently():
         orthogonalized_update(m, (24, 31), 5, "fp32", "match_rms_adamw")
 
 
+def test_dp_assembly_buffer_lives_on_the_parameters_device(monkeypatch):
+    """The distributed optimizer's assembly buffer is all-reduced (NCCL on GPUs) and Newton-Schulz
+    runs on views of it: it is made on the device it is given (megatron's grad buffers'), not the
+    host. ``meta`` stands in for the GPU; a rank without Muon shards all-reduces it too."""
+    from pretrain.optim.muon_adamw import DPAssembly, ShardPlacement
+
+    reduced = []
+    monkeypatch.setattr(dist, "all_reduce", lambda t, group=None: reduced.append(t))
+    a, b = torch.empty(2, 3, device="meta"), torch.empty(4, device="meta")
+    assembly = DPAssembly(None, 10, {a: ShardPlacement(0, 6, 0, 6), b: ShardPlacement(6, 4, 1, 3)}, "meta")
+    full = assembly.gather({a: a.reshape(-1), b: b[:2]})
+    assembly.gather({})
+    assert [t.device.type for t in reduced] == ["meta", "meta"] and reduced[0].shape == (10,)
+    assert full[a].device.type == "meta" and full[b].shape == (4,)
+
+
 # --- config ---------------------------------------------------------------------------------------
 
 
