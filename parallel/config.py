@@ -28,6 +28,10 @@ class ParallelConfig:
     first_stage_layers: Optional[int] = None  #: uneven pipeline: layers on the first stage
     last_stage_layers: Optional[int] = None  #: uneven pipeline: layers on the last stage
     distributed_optimizer: bool = False  #: shard optimizer state across data-parallel ranks
+    #: without CUDA: ``plain`` maps CUDA to the CPU; ``strict`` also tracks which tensors would
+    #: live on the GPU and fails where CUDA would (host tensor mixed in, host tensor handed to an
+    #: NCCL collective), counting host syncs per step (``host_syncs`` in the metrics)
+    cpu_emulation: str = "plain"
 
     @property
     def expert_tp(self) -> int:
@@ -102,6 +106,8 @@ def validate(
         p.append(f"parallel.vpp={par.vpp} must be >= 1 or null")
     if par.etp is not None and par.etp < 1:
         p.append(f"parallel.etp={par.etp} must be >= 1 or null")
+    if par.cpu_emulation not in ("plain", "strict"):
+        p.append(f"parallel.cpu_emulation={par.cpu_emulation!r} must be plain or strict")
     _fail(p)
 
     model_parallel = par.tp * par.pp * par.cp

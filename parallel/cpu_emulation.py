@@ -47,8 +47,21 @@ class CudaDeviceToCpuMode(TorchFunctionMode):
         "torch.BFloat16Tensor": "torch.cuda.BFloat16Tensor",
     }
 
+    strict = False  #: strict CUDA emulation (parallel.strict_cuda) on top of the rewriting
+
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if self.strict:
+            from parallel import strict_cuda
+
+            if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+                name = func(*args)
+                return self._TYPE_NAMES.get(name, name) if strict_cuda.on_device(args[0]) else name
+            return strict_cuda.StrictCudaFunctions.handle(
+                func, args, kwargs, lambda a, k: self._rewritten(func, a, k))
+        return self._rewritten(func, args, kwargs)
+
+    def _rewritten(self, func, args, kwargs):
         if func is torch.Tensor.cuda or func is torch.Tensor.pin_memory:
             return args[0]
         if func is torch.Tensor.type and len(args) == 1 and not kwargs:
@@ -83,6 +96,17 @@ class _NullStream:
 
     def query(self):
         return True
+
+    def synchronize(self, *args, **kwargs):
+        _count_strict_sync("stream/event synchronize")
+
+
+def _count_strict_sync(what: str) -> None:
+    """Under strict emulation a wait for the device is a host sync (counted, not raised)."""
+    from parallel import strict_cuda
+
+    if strict_cuda.is_active():
+        strict_cuda._count_sync(what)
 
 
 def _all_to_all_single_with_list_splits(original):
@@ -128,11 +152,29 @@ class _CompletedWork:
         return True
 
 
+def _device_mode_in_backward() -> None:
+    """The autograd engine runs custom functions' ``backward`` without the torch-function mode
+    stack, so a ``device="cuda"`` there reached the real (absent) CUDA: enter the device mode
+    around each of them."""
+    from torch.autograd.function import BackwardCFunction
+
+    apply = BackwardCFunction.apply
+
+    @functools.wraps(apply)
+    def apply_in_device_mode(self, *args):
+        if _MODE is None or _MODE in torch.overrides._get_current_function_mode_stack():
+            return apply(self, *args)
+        with _MODE:
+            return apply(self, *args)
+
+    BackwardCFunction.apply = apply_in_device_mode
+
+
 def _patch_cuda_runtime() -> None:
     cuda = torch.cuda
     cuda.current_device = lambda: _CPU
     cuda.set_device = lambda *a, **k: None
-    cuda.synchronize = lambda *a, **k: None
+    cuda.synchronize = lambda *a, **k: _count_strict_sync("torch.cuda.synchronize")
     cuda.empty_cache = lambda *a, **k: None
     cuda.Stream = _NullStream
     cuda.Event = _NullStream
@@ -171,17 +213,6 @@ def _patch_cuda_rng() -> None:
     mrandom._set_cuda_rng_state = lambda new_state, device=-1, graph_safe=False: (
         cuda_generator.set_state(new_state)
     )
-
-
-def _patch_megatron_te_probes() -> None:
-    """Two megatron modules believe Transformer Engine is present (or half-present) without it."""
-    from megatron.core.transformer import multi_latent_attention
-    from megatron.core.transformer.moe import moe_utils
-
-    if not isinstance(multi_latent_attention.TELinear, type):  # None or a MagicMock stand-in
-        multi_latent_attention.HAVE_TE = False
-    if not hasattr(moe_utils, "te_general_gemm"):
-        moe_utils.te_general_gemm = None
 
 
 def _patch_distributed_optimizer_for_torch_adam() -> None:
@@ -258,24 +289,54 @@ def _single_threaded_helper_threads() -> None:
     helper.join()
 
 
-def install() -> bool:
-    """Install every patch once, when CUDA is unavailable. Returns whether emulation is active."""
+def install(strict: bool = False) -> bool:
+    """Install every patch once, when CUDA is unavailable. Returns whether emulation is active.
+    ``strict``: also track device residency and fail where CUDA would (:mod:`parallel.strict_cuda`);
+    can be switched on after a plain install, not off (one-process tests: :func:`strict_mode`)."""
     global _INSTALLED, _MODE
     if torch.cuda.is_available():
         return False
     if _INSTALLED:
+        if strict:
+            _enable_strict()
         return True
     _patch_cuda_runtime()
     _patch_cuda_rng()
-    _patch_megatron_te_probes()
     _patch_distributed_optimizer_for_torch_adam()
+    _device_mode_in_backward()
     dist.all_to_all_single = _all_to_all_single_with_list_splits(dist.all_to_all_single)
     dist.all_gather = _all_gather_uneven(dist.all_gather)
     _single_threaded_helper_threads()
     _MODE = CudaDeviceToCpuMode()
     _MODE.__enter__()
     _INSTALLED = True
+    if strict:
+        _enable_strict()
     return True
+
+
+def _enable_strict() -> None:
+    from parallel import strict_cuda
+
+    strict_cuda.install()
+    _MODE.strict = True
+
+
+@contextlib.contextmanager
+def strict_mode():
+    """Strict CUDA emulation for a block (one-process tests); training runs switch it on for the
+    whole process with ``parallel.cpu_emulation=strict``."""
+    from parallel import strict_cuda
+
+    install()
+    was = strict_cuda.is_active()
+    _enable_strict()
+    try:
+        yield
+    finally:
+        if not was:
+            _MODE.strict = False
+            strict_cuda.uninstall()
 
 
 def is_active() -> bool:

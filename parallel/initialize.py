@@ -88,8 +88,9 @@ def set_seeds(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def start_process_group(env: DistEnv, timeout_s: int = 600) -> str:
-    """init_process_group with NCCL when CUDA is present, gloo otherwise. Returns the backend."""
+def start_process_group(env: DistEnv, timeout_s: int = 600, cpu_emulation_mode: str = "plain") -> str:
+    """init_process_group with NCCL when CUDA is present, gloo otherwise (with the CPU emulation,
+    ``plain`` or ``strict``). Returns the backend."""
     if dist.is_initialized():
         return dist.get_backend()
     megatron_compat.install()
@@ -97,7 +98,7 @@ def start_process_group(env: DistEnv, timeout_s: int = 600) -> str:
     if use_cuda:
         torch.cuda.set_device(env.local_rank % torch.cuda.device_count())
     else:
-        cpu_emulation.install()
+        cpu_emulation.install(strict=cpu_emulation_mode == "strict")
     backend = "nccl" if use_cuda else "gloo"
     dist.init_process_group(
         backend=backend,
@@ -150,7 +151,7 @@ def initialize(par: ParallelConfig, seed: int, env: DistEnv | None = None) -> Di
     from megatron.core import parallel_state, tensor_parallel
 
     env = env or dist_env()
-    start_process_group(env)
+    start_process_group(env, cpu_emulation_mode=par.cpu_emulation)
     layout = _layout_key(par)
     if parallel_state.model_parallel_is_initialized() and layout != _groups_layout():
         destroy_model_parallel_groups()

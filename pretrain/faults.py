@@ -24,6 +24,8 @@ from typing import List
 import torch
 import torch.distributed as dist
 
+from parallel.device import current_device
+
 #: exit status of a run stopped by USR1/SIGTERM after saving (sysexits' EX_TEMPFAIL: try again)
 PREEMPTED_EXIT = 75
 
@@ -63,7 +65,7 @@ class PreemptionSignal:
 
     def agreed(self) -> bool:
         """True on every rank when any rank got a signal (one all-reduce of one int)."""
-        flag = torch.tensor([1 if self.received else 0], dtype=torch.int32)
+        flag = torch.tensor([1 if self.received else 0], dtype=torch.int32, device=current_device())
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
 
@@ -77,14 +79,11 @@ def step_is_finite(local_loss: torch.Tensor, ddp_chunks) -> bool:
     agreed by all ranks. Grad buffers are megatron DDP's flat ``grad_data`` (dense and expert
     buffers), already reduced over data-parallel ranks, so any NaN/Inf in the global gradient
     shows up on some rank and hence, after the MAX all-reduce, on all."""
-    bad = not bool(torch.isfinite(local_loss).all())
-    if not bad:
-        for chunk in ddp_chunks:
-            for buffer in chunk.buffers + chunk.expert_parallel_buffers:
-                if not bool(torch.isfinite(buffer.grad_data).all()):
-                    bad = True
-                    break
-    flag = torch.tensor([1 if bad else 0], dtype=torch.int32)
+    finite = torch.isfinite(local_loss).all()
+    for chunk in ddp_chunks:
+        for buffer in chunk.buffers + chunk.expert_parallel_buffers:
+            finite = finite & torch.isfinite(buffer.grad_data).all()
+    flag = (~finite).to(torch.int32).reshape(1)  # on the device: one sync, after the all-reduce
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     return not bool(flag.item())
 

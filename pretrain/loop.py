@@ -17,6 +17,8 @@ from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelpe
 from data_pipeline.batches import micro_batches
 from model_providers.glm5.dsa.attention import KL_TRACKER
 from parallel.context_parallel import batch_on_this_cp_rank
+from parallel import strict_cuda
+from parallel.device import current_device, to_device
 from pretrain.faults import step_is_finite
 
 
@@ -45,18 +47,20 @@ def lm_loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor, poison: b
 def document_mask(document_ids: torch.Tensor | None) -> torch.Tensor | None:
     """The micro-batch's document ids [b, L] when some sample holds several documents (the
     attention then masks across them), else None: one-document samples keep the plain causal
-    path."""
+    path. Decided on the host batch (no device sync)."""
     if document_ids is None or bool((document_ids == document_ids[:, :1]).all()):
         return None
     return document_ids
 
 
 def forward_step(data_iterator, model, poison: bool = False):
-    batch = batch_on_this_cp_rank(next(data_iterator))
+    host = next(data_iterator)
+    documents = document_mask(host.get("document_ids"))
+    batch = batch_on_this_cp_rank(to_device(host))
     output = model(
         batch["tokens"],
         batch["position_ids"],
-        document_mask(batch.get("document_ids")),
+        batch["document_ids"] if documents is not None else None,
         labels=batch["labels"],
         loss_mask=batch["loss_mask"],
     )
@@ -74,6 +78,7 @@ class StepStats:
     moe_load_imbalance: float
     skipped: bool
     seconds: float
+    host_syncs: int | None = None  #: device -> host syncs in the step (strict CPU emulation only)
 
 
 class LoadImbalanceProbe:
@@ -83,14 +88,14 @@ class LoadImbalanceProbe:
     def __init__(self, model_chunks):
         self.routers = [m for c in model_chunks for m in c.modules() if hasattr(m, "expert_bias")
                         and getattr(m, "local_tokens_per_expert", None) is not None]
-        self.value = 1.0
+        self.value = None  #: device tensor [1], set at every grad finalisation
 
     def __call__(self, *args, **kwargs):
-        worst = 1.0
+        worst = torch.ones(1, dtype=torch.float64, device=current_device())
         for r in self.routers:
             counts = r.local_tokens_per_expert.float()
-            if counts.sum() > 0:
-                worst = max(worst, float(counts.max() / counts.mean()))
+            ratio = torch.where(counts.sum() > 0, counts.max() / counts.mean(), 1.0)
+            worst = torch.maximum(worst, ratio.double())
         self.value = worst
         return finalize_model_grads(*args, **kwargs)
 
@@ -117,6 +122,8 @@ def train_step(ddp_chunks, optimizer, scheduler, dataset, consumed_samples: int,
     """One optimizer step over a global batch. A step whose loss or gradients are non-finite on
     any rank is not applied (``skipped``); ``poison`` is the NaN test hook."""
     t0 = time.perf_counter()
+    if strict_cuda.is_active():
+        strict_cuda.take_host_syncs()  # count this step's only
     dp_rank = parallel_state.get_data_parallel_rank()
     dp_size = parallel_state.get_data_parallel_world_size()
     batches = list(micro_batches(dataset, consumed_samples, trainer_cfg.global_batch_size,
@@ -135,7 +142,7 @@ def train_step(ddp_chunks, optimizer, scheduler, dataset, consumed_samples: int,
         micro_batch_size=trainer_cfg.micro_batch_size,
         forward_only=False,
     )
-    report = torch.zeros(2 + mtp_steps, dtype=torch.float64)
+    report = torch.zeros(2 + mtp_steps, dtype=torch.float64, device=current_device())
     if _reporting_rank():
         for out in losses:
             report[:2] += out["lm"].double()
@@ -157,29 +164,41 @@ def train_step(ddp_chunks, optimizer, scheduler, dataset, consumed_samples: int,
     if MTPLossLoggingHelper.tracker.get("values") is not None:
         MTPLossLoggingHelper.clean_loss_in_tracker()
 
-    aux, kl = 0.0, []
+    imbalance = probe.value if probe.value is not None else torch.ones(
+        1, dtype=torch.float64, device=current_device())
+    dist.all_reduce(imbalance, op=dist.ReduceOp.MAX)
+    scalars = [report, imbalance]
+    aux_entries, kl_entries = 0, 0
     tracker = moe_utils.get_moe_layer_wise_logging_tracker()
     if tracker:
         moe_utils.reduce_aux_losses_tracker_across_ranks()
         for name, entry in tracker.items():
             values = entry["values"] / len(batches)
             if name == KL_TRACKER:
-                kl = values.tolist()
+                kl_entries = values.numel()
+                kl_values = values.double()
             else:
-                aux += float(values.sum())
+                aux_entries += 1
+                scalars.append(values.sum().double().reshape(1))
+        if kl_entries:
+            scalars.append(kl_values)
+    host = torch.cat(scalars).tolist()  # the step's one device -> host copy of its metrics
+    if tracker:
         moe_utils.clear_aux_losses_tracker()
-    imbalance = torch.tensor([probe.value], dtype=torch.float64)
-    dist.all_reduce(imbalance, op=dist.ReduceOp.MAX)
+    n = 2 + mtp_steps
+    aux = sum(host[n + 1:n + 1 + aux_entries])
+    kl = host[n + 1 + aux_entries:n + 1 + aux_entries + kl_entries]
     return StepStats(
-        lm_loss=float(report[0] / max(report[1], 1)),
-        loss_tokens=int(report[1]),
-        mtp_losses=[float(x) for x in report[2:]],
+        lm_loss=host[0] / max(host[1], 1),
+        loss_tokens=int(host[1]),
+        mtp_losses=host[2:n],
         moe_aux_loss=aux,
         indexer_kl=kl,
         grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
-        moe_load_imbalance=float(imbalance),
+        moe_load_imbalance=host[n],
         skipped=not ok,
         seconds=time.perf_counter() - t0,
+        host_syncs=strict_cuda.take_host_syncs() if strict_cuda.is_active() else None,
     )
 
 
@@ -209,9 +228,10 @@ def evaluate(ddp_chunks, dataset, trainer_cfg, num_samples: int) -> float:
         if MTPLossLoggingHelper.tracker.get("values") is not None:
             MTPLossLoggingHelper.clean_loss_in_tracker()
         moe_utils.clear_aux_losses_tracker()
-    total = torch.zeros(2, dtype=torch.float64)
+    total = torch.zeros(2, dtype=torch.float64, device=current_device())
     if _reporting_rank():
         for out in losses:
             total += out["lm"].double()
     dist.all_reduce(total)
-    return float(total[0] / max(total[1], 1))
+    loss_sum, tokens = total.tolist()
+    return loss_sum / max(tokens, 1)

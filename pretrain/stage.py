@@ -223,6 +223,7 @@ class _StageTrainer:
             "step_time_s": stats.seconds,
             "tokens_per_s": self.stage.tokens_per_step / stats.seconds,
             "tflops_per_s": self.flops_per_step / stats.seconds / 1e12 / world,
+            **({"host_syncs": stats.host_syncs} if stats.host_syncs is not None else {}),
         }
 
 

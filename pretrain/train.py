@@ -128,7 +128,7 @@ def run(rc: RunConfig, config_yaml: str) -> dict:
     stages = plan_run(rc, env.world_size)
     preemption = faults.PreemptionSignal()  # USR1/SIGTERM -> save after the current step, exit
     backend = resolve_backend(rc.model.layer_backend)
-    start_process_group(env)
+    start_process_group(env, cpu_emulation_mode=rc.parallel.cpu_emulation)
     run_dir = os.path.abspath(rc.trainer.run_dir)
     ckpt_dir = os.path.join(run_dir, "checkpoints")
     if env.rank == 0:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass, field
 from typing import List, Optional
 
@@ -165,6 +166,14 @@ def validate_model(cfg: GLM5Config, precision: PrecisionConfig, seq_length: int)
         p.append(f"precision.fp8={precision.fp8!r} must be null, delayed or blockwise")
     if precision.fp8 is not None and not torch.cuda.is_available():
         p.append(f"precision.fp8={precision.fp8} needs CUDA and Transformer Engine (none here)")
+    elif precision.fp8 is not None:
+        have_te = importlib.util.find_spec("transformer_engine") is not None
+        if cfg.layer_backend == "local" or not have_te:
+            p.append(
+                f"precision.fp8={precision.fp8} needs Transformer Engine layers, but "
+                f"model.layer_backend={cfg.layer_backend!r} gives the local spec"
+                + ("" if have_te else " (transformer_engine is not importable)")
+                + ": megatron's FP8 context would do nothing and the run would train in bf16")
     if precision.fp8 is not None and precision.dtype != "bf16":
         p.append(f"precision.fp8={precision.fp8} needs precision.dtype=bf16, got {precision.dtype}")
     if p:

@@ -9,6 +9,8 @@ from model_providers.glm5.config import GLM5Config
 from model_providers.glm5.dsa.modes import apply_dsa_mode
 from model_providers.glm5.mtp import SharedMultiTokenPredictionBlock, document_boundaries
 from model_providers.glm5.specs import decoder_block_spec, mtp_block_spec
+from model_providers.glm5.tp_attributes import normalize_tp_attributes
+from parallel.device import current_device
 
 
 class GLM5Model(GPTModel):
@@ -35,7 +37,8 @@ class GLM5Model(GPTModel):
 
 def build_model_chunks(cfg: GLM5Config, tcfg, backend: str) -> list[GLM5Model]:
     """Model chunks of this rank in virtual-stage order; each knows whether it embeds
-    (first stage), computes the loss (last stage) and holds the MTP module."""
+    (first stage), computes the loss (last stage) and holds the MTP module. Their linear layers'
+    TP attributes are set from the layers' layout, not the backend's marks (``tp_attributes``)."""
     vpp = tcfg.virtual_pipeline_model_parallel_size or 1
     chunks = []
     for vp_stage in range(vpp):
@@ -55,5 +58,9 @@ def build_model_chunks(cfg: GLM5Config, tcfg, backend: str) -> list[GLM5Model]:
                 vp_stage=stage,
             )
         )
+    for chunk in chunks:  # plain torch modules (indexer, local norms) are built on the host
+        if not any(p.is_meta for p in chunk.parameters()):  # meta builds (sizing) stay on meta
+            chunk.to(current_device())
+    normalize_tp_attributes(chunks)
     apply_dsa_mode(chunks, tcfg, cfg.dsa.mode)
     return chunks

@@ -59,6 +59,21 @@ def release_cached_modules() -> None:
             cached.cache_clear()
 
 
+def _te_probes_without_transformer_engine() -> None:
+    """Without Transformer Engine, two megatron modules believe it is (half) present, on GPUs as
+    on CPUs (the first GPU smoke on an H200 without TE failed here at model build):
+    ``multi_latent_attention`` keeps ``HAVE_TE`` True while ``TELinear`` is None, so MLA's
+    ``isinstance(self.linear_proj, TELinear)`` raises TypeError; ``moe_utils`` never defines
+    ``te_general_gemm``, so the router's GEMM raises NameError."""
+    from megatron.core.transformer import multi_latent_attention
+    from megatron.core.transformer.moe import moe_utils
+
+    if not isinstance(multi_latent_attention.TELinear, type):  # None or a MagicMock stand-in
+        multi_latent_attention.HAVE_TE = False
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
 def install() -> None:
     """Install every fix once (idempotent)."""
     global _INSTALLED
@@ -66,4 +81,5 @@ def install() -> None:
         return
     _check_version()
     _alltoall_dispatcher_drops_probs_after_combine()
+    _te_probes_without_transformer_engine()
     _INSTALLED = True

@@ -60,7 +60,8 @@ def test_context_parallel_losses_match_one_rank(init_checkpoint, case):
     nproc, overrides = CASES[case]
     single = [o for o in overrides if not o.startswith("parallel=")]
     ref = _one_rank(root, ckpt, single)
-    summary = run_train(_common(ckpt, root / case) + overrides, nproc=nproc)
+    summary = run_train(_common(ckpt, root / case) + overrides + ["parallel.cpu_emulation=strict"],
+                        nproc=nproc)
     assert summary["world_size"] == nproc and summary["steps"] == STEPS
     got = read_metrics(str(root / case))
     assert [r["step"] for r in got] == list(range(1, STEPS + 1))

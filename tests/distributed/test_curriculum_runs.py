@@ -90,7 +90,8 @@ def test_stage_with_another_parallel_layout_continues_the_weights(conf_dir, tmp_
     summary = run_train(_overrides(conf_dir, switched, *two, "+curriculum.stages.1.parallel.tp=2",
                                    "+curriculum.stages.1.parallel.sequence_parallel=true",
                                    "+curriculum.stages.2.parallel.tp=2",
-                                   "+curriculum.stages.2.parallel.sequence_parallel=true"), nproc=2)
+                                   "+curriculum.stages.2.parallel.sequence_parallel=true",
+                                   "parallel.cpu_emulation=strict"), nproc=2)
     assert summary["world_size"] == 2
     cfg = json.loads(json.dumps(summary))
     assert [s["steps"] for s in cfg["stages"]] == [2, 2, 2]

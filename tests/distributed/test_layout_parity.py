@@ -3,7 +3,8 @@ global batch) gives the same per-step losses under every parallel layout as on o
 
 Every layout starts from one checkpoint written by a single rank and loaded with resharding
 (megatron's seeding makes fresh weights depend on the layout), which also exercises the
-dist_checkpointing path.
+dist_checkpointing path. The layouts run under the strict CUDA emulation, so a host tensor
+where a GPU run needs a device one fails here too.
 """
 
 import os
@@ -43,7 +44,7 @@ def test_losses_match_single_rank(reference, layout):
     root, ckpt, ref = reference
     nproc, overrides = LAYOUTS[layout]
     run_dir = root / layout
-    summary = run_train(_common(ckpt, run_dir) + overrides, nproc=nproc)
+    summary = run_train(_common(ckpt, run_dir) + overrides + ["parallel.cpu_emulation=strict"], nproc=nproc)
     assert summary["world_size"] == nproc and summary["steps"] == STEPS
     got = read_metrics(str(run_dir))
     assert [r["step"] for r in got] == list(range(1, STEPS + 1))

@@ -56,7 +56,8 @@ def test_muon_losses_match_single_rank(reference, layout):
     root, ckpt, ref = reference
     nproc, overrides = LAYOUTS[layout]
     run_dir = root / layout
-    summary = run_train(_common(ckpt, run_dir) + MUON + overrides, nproc=nproc)
+    summary = run_train(_common(ckpt, run_dir) + MUON + overrides + ["parallel.cpu_emulation=strict"],
+                        nproc=nproc)
     assert summary["world_size"] == nproc and summary["steps"] == STEPS
     got = read_metrics(str(run_dir))
     assert [r["step"] for r in got] == list(range(1, STEPS + 1))

@@ -287,3 +287,21 @@ def test_yarn_reaches_megatron_and_the_indexer():
 def test_bad_rope_scaling(overrides, message):
     e = _invalid(_rc(*overrides))
     assert isinstance(e.value, ModelConfigError) and message in str(e.value)
+
+
+@pytest.mark.parametrize("backend, have_te", [("local", True), ("auto", False), ("local", False)])
+def test_fp8_with_cuda_but_local_layers_is_an_error(monkeypatch, backend, have_te):
+    """With CUDA but the local spec (asked for, or ``auto`` without transformer_engine) megatron's
+    FP8 context is a no-op: a run would silently train in bf16."""
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: (object() if have_te else None) if name == "transformer_engine"
+                        else find_spec(name, *a))
+    rc = _rc("precision=fp8_blockwise", f"model.layer_backend={backend}")
+    e = _invalid(rc)
+    assert "precision.fp8=blockwise needs Transformer Engine layers" in str(e.value)
+    assert f"model.layer_backend='{backend}'" in str(e.value)
+    assert ("transformer_engine is not importable" in str(e.value)) == (not have_te)

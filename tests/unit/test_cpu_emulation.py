@@ -14,11 +14,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from parallel import cpu_emulation
+from parallel import cpu_emulation, megatron_compat
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU emulation is for CUDA-less hosts")
 
 cpu_emulation.install()
+megatron_compat.install()  # the TE-probe fixes the local MLA spec needs
 
 
 def _free_port() -> int:
@@ -332,27 +333,6 @@ def test_model_parallel_cuda_manual_seed_seeds_every_stream():
     assert torch.equal(
         _draws(states[mrandom._EXPERT_PARALLEL_RNG_TRACKER_NAME]), _seeded_draws(seed + 1024 + 200)
     )
-
-
-# --- megatron's Transformer Engine probes ------------------------------------------------------
-
-
-def test_mla_have_te_is_false():
-    from megatron.core.transformer import multi_latent_attention
-
-    assert multi_latent_attention.HAVE_TE is False
-
-
-def test_moe_utils_te_general_gemm_is_none_and_router_gemm_falls_back():
-    from megatron.core.transformer.moe import moe_utils
-
-    assert moe_utils.te_general_gemm is None
-    torch.manual_seed(0)
-    inp = torch.randn(2, 3, 8)
-    weight = torch.randn(4, 8)
-    out = moe_utils.router_gating_linear(inp, weight, None, torch.float32)
-    assert out.shape == (2, 3, 4)
-    torch.testing.assert_close(out, inp @ weight.t())
 
 
 @pytest.fixture

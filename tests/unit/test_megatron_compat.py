@@ -62,3 +62,23 @@ def test_rotary_embedding_caches_release_their_modules(one_rank):
     megatron_compat.release_cached_modules()
     gc.collect()
     assert ref() is None
+
+
+def test_mla_have_te_is_false_without_transformer_engine():
+    megatron_compat.install()
+    from megatron.core.transformer import multi_latent_attention
+
+    assert multi_latent_attention.HAVE_TE is False
+
+
+def test_moe_utils_te_general_gemm_is_none_and_router_gemm_falls_back():
+    megatron_compat.install()
+    from megatron.core.transformer.moe import moe_utils
+
+    assert moe_utils.te_general_gemm is None
+    torch.manual_seed(0)
+    inp = torch.randn(2, 3, 8)
+    weight = torch.randn(4, 8)
+    out = moe_utils.router_gating_linear(inp, weight, None, torch.float32)
+    assert out.shape == (2, 3, 4)
+    torch.testing.assert_close(out, inp @ weight.t())

@@ -43,6 +43,8 @@ from __future__ import annotations
 
 import torch
 
+from parallel.device import on_gpu
+
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite e4m3fn value
 QUANT_BLOCK = 128  # values per scale along the head dim
@@ -111,7 +113,7 @@ def _weighted_relu_logits(q, k, w, q_offset: int, causal: bool, mm_dtype=None) -
     kt = k[:, :n].transpose(1, 2)  # [b, d, n]
     if mm_dtype is None:
         s = torch.matmul(q.float().reshape(b, sq * H, d), kt.float())
-    elif q.is_cuda:
+    elif on_gpu(q):
         s = torch.matmul(q.to(mm_dtype).reshape(b, sq * H, d), kt.to(mm_dtype))
     else:
         s = torch.matmul(q.to(mm_dtype).float().reshape(b, sq * H, d), kt.to(mm_dtype).float())
@@ -209,7 +211,7 @@ def index_logits(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, q_offset: in
 
 
 def _triton_usable(q: torch.Tensor) -> bool:
-    if not q.is_cuda or q.shape[-1] != QUANT_BLOCK:
+    if not on_gpu(q) or q.shape[-1] != QUANT_BLOCK:
         return False
     if torch.cuda.get_device_capability(q.device) < (8, 9):  # no e4m3 tensor cores before Ada
         return False

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import torch
 
+from parallel.device import on_gpu
+
 try:
     from fast_hadamard_transform import hadamard_transform as _cuda_hadamard
 except ImportError:
@@ -16,7 +18,7 @@ def hadamard_rotate(x: torch.Tensor) -> torch.Tensor:
     dim = x.shape[-1]
     if dim & (dim - 1):
         raise ValueError(f"Hadamard rotation needs a power-of-two dim, got {dim}")
-    if _cuda_hadamard is not None and x.is_cuda:
+    if _cuda_hadamard is not None and on_gpu(x):
         return _cuda_hadamard(x, scale=dim ** -0.5)
     shape = x.shape
     y = x.reshape(-1, dim)
