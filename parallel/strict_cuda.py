@@ -234,15 +234,29 @@ class StrictCudaFunctions:
         return mark(moved, want_device)
 
 
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+
+
+def _base_get(base, t):
+    if type(t) in _PLAIN_TENSORS:
+        return base.__get__(t)
+    with torch._C.DisableTorchFunctionSubclass():  # wrapper subclasses (ShardedTensor, ...)
+        return base.__get__(t)
+
+
 def _device_property(base):
     def get(self):
-        return _CUDA0 if on_device(self) else base.__get__(self)
+        if type(self) in _PLAIN_TENSORS and on_device(self):
+            return _CUDA0
+        return _base_get(base, self)
     return property(get)
 
 
 def _is_cuda_property(base):
     def get(self):
-        return True if on_device(self) else base.__get__(self)
+        if type(self) in _PLAIN_TENSORS and on_device(self):
+            return True
+        return _base_get(base, self)
     return property(get)
 
 

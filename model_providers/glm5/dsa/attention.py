@@ -96,7 +96,7 @@ class DSACoreAttention(MegatronModule):
         latents, self.latents = self.latents, None
         s = query.shape[0]
         layout = TokenLayout.build(s, key.shape[0], _document_ids(attention_mask),
-                                   local_positions(s, query.device), query.device)
+                                   local_positions(s), query.device)
         mode = self.dsa.mode
         if mode == "dense":
             return self._dense(query, key, value, layout)
@@ -151,7 +151,7 @@ class DSACoreAttention(MegatronModule):
         s = query.shape[0]
         topk, chunk = self.dsa.topk, self.dsa.query_chunk
         kp = min(topk, key.shape[0])
-        prefix = int((layout.q_pos < topk).sum())
+        prefix = layout.rows_before(topk)
         outs, kl = [], iq.new_zeros((), dtype=torch.float32)
         if prefix:
             head = layout.rows(0, prefix, kp)

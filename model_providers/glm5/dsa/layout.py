@@ -31,22 +31,28 @@ class TokenLayout:
     doc_q: Optional[torch.Tensor] = None
     doc_k: Optional[torch.Tensor] = None
     contiguous: bool = True  #: q_pos is 0..s-1 (no context parallelism)
+    q_pos_host: Optional[torch.Tensor] = None  #: q_pos on the host (decisions without a sync)
 
     @classmethod
     def build(cls, s: int, key_len: int, document_ids: Optional[torch.Tensor] = None,
               q_pos: Optional[torch.Tensor] = None, device=None) -> "TokenLayout":
         """s local queries of a key_len-token sequence; ``document_ids`` [b, key_len] or None;
-        ``q_pos`` the global positions of the local queries (None: 0..s-1, key_len = s)."""
+        ``q_pos`` the global positions of the local queries, on the host (None: 0..s-1,
+        key_len = s); the layout's copy lives on ``device``."""
         contiguous = q_pos is None
-        if contiguous:
-            q_pos = torch.arange(s, device=device)
+        q_pos_host = torch.arange(s) if contiguous else q_pos
+        q_pos = q_pos_host.to(device) if device is not None else q_pos_host
         doc_q = None if document_ids is None else document_ids[:, q_pos]
-        return cls(q_pos, key_len, doc_q, document_ids, contiguous)
+        return cls(q_pos, key_len, doc_q, document_ids, contiguous, q_pos_host)
 
     @property
     def plain_causal(self) -> bool:
         """Every query sees exactly the keys at or before it: SDPA's ``is_causal`` applies."""
         return self.contiguous and self.doc_q is None and len(self.q_pos) == self.key_len
+
+    def rows_before(self, position: int) -> int:
+        """How many query rows (a leading block: positions ascend) sit before ``position``."""
+        return int((self.q_pos_host < position).sum())
 
     def rows(self, lo: int, hi: int, key_len: Optional[int] = None) -> "TokenLayout":
         """The layout of query rows lo..hi-1 against keys 0..key_len-1."""
@@ -54,7 +60,8 @@ class TokenLayout:
         return TokenLayout(self.q_pos[lo:hi], kl,
                            None if self.doc_q is None else self.doc_q[:, lo:hi],
                            None if self.doc_k is None else self.doc_k[:, :kl],
-                           self.contiguous and lo == 0)
+                           self.contiguous and lo == 0,
+                           None if self.q_pos_host is None else self.q_pos_host[lo:hi])
 
     def hidden(self, lo: int, hi: int) -> torch.Tensor:
         """[b or 1, hi - lo, L] bool, True where query row r may not see key j (j after r's

@@ -16,4 +16,9 @@ def topk_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
     tied = scores == kth
     room = k - above.sum(dim=-1, keepdim=True)
     take = above | (tied & (tied.cumsum(dim=-1) <= room))
-    return take.nonzero(as_tuple=True)[-1].view(*scores.shape[:-1], k)
+    # the taken positions in ascending order, without nonzero (a device -> host sync): each taken
+    # position goes to its rank among the taken ones, the rest to a discarded column k
+    slot = torch.where(take, take.cumsum(dim=-1) - 1, k)
+    positions = torch.arange(scores.shape[-1], device=scores.device).expand_as(slot)
+    out = torch.empty((*scores.shape[:-1], k + 1), dtype=torch.long, device=scores.device)
+    return out.scatter_(-1, slot, positions)[..., :k]
