@@ -26,6 +26,7 @@ from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.dist_checkpointing.strategies import filesystem_async
 
+from model_providers.glm5 import backend_keys
 from parallel import cpu_emulation
 
 LATEST = "latest"
@@ -231,6 +232,7 @@ def save(ckpt_dir: str, model_chunks, optimizer, scheduler, state: TrainState, c
     sd["train_state"] = vars(state).copy()
     sd["config_yaml"] = config_yaml
     sd["world_size"] = dist.get_world_size()
+    sd[backend_keys.COMMON_KEY] = backend_keys.model_backend(model_chunks)  # its tensor names
     _in_process_write_results()
     dist_checkpointing.save(sd, tmp)
     dist.barrier()
@@ -266,13 +268,17 @@ def read_train_state(path: str) -> dict:
 
 def load(path: str, model_chunks, optimizer=None, scheduler=None) -> TrainState:
     """Load weights (and optimizer, scheduler, RNG and position when given an optimizer).
-    Weights reshard to this rank's layout; RNG is restored only at the same world size."""
+    Weights reshard to this rank's layout; RNG is restored only at the same world size. A
+    checkpoint written by the other layer backend (local <-> Transformer Engine, e.g. an HF
+    import or a CPU run starting a GPU run) loads through ``backend_keys``' name map."""
     full = optimizer is not None
     common = dist_checkpointing.load_common_state_dict(path)
     same_world = common.get("world_size") == dist.get_world_size()
     sd = sharded_state(model_chunks, optimizer if full else None, is_loading=True,
                        with_rng=full and same_world)
-    loaded = dist_checkpointing.load(sd, path)
+    restore = backend_keys.adapt_to_checkpoint(sd, backend_keys.model_backend(model_chunks),
+                                               backend_keys.checkpoint_backend(path, common))
+    loaded = restore(dist_checkpointing.load(sd, path))
     for i, chunk in enumerate(model_chunks):
         chunk.load_state_dict(loaded[_model_key(i)], strict=True)
     if not full:

@@ -63,7 +63,7 @@ def _loss(args) -> dict:
         raise SystemExit(f"--tokens ids must be in [0, {cfg.vocab_size})")
     env = dist_env()
     par = ParallelConfig(tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp,
-                         sequence_parallel=args.tp > 1)
+                         sequence_parallel=args.tp > 1, cpu_emulation=args.cpu_emulation)
     validate(par, world_size=env.world_size, num_layers=cfg.num_layers,
              num_attention_heads=cfg.num_attention_heads, num_experts=cfg.num_experts,
              seq_length=tokens.shape[1], micro_batch_size=1,
@@ -101,6 +101,8 @@ def main(argv=None) -> None:
     lo.add_argument("--ep", type=int, default=1)
     lo.add_argument("--etp", type=int, default=None, help="expert TP (default: --tp)")
     lo.add_argument("--dsa-mode", choices=["sparse", "dense"], default="sparse")
+    lo.add_argument("--cpu-emulation", choices=["plain", "strict"], default="plain",
+                    help="without CUDA: strict also checks device placement (parallel.cpu_emulation)")
     args = p.parse_args(argv)
     owned = not torch.distributed.is_initialized()
     result = {"import": _import, "export": _export, "loss": _loss}[args.cmd](args)

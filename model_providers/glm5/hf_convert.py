@@ -19,7 +19,7 @@ import zlib
 import torch
 from omegaconf import OmegaConf
 
-from model_providers.glm5 import dist_io
+from model_providers.glm5 import backend_keys, dist_io
 from model_providers.glm5.config import GLM5Config, PrecisionConfig, to_transformer_config
 from model_providers.glm5.hf_config import PASSTHROUGH, glm5_from_hf, hf_from_glm5
 from model_providers.glm5.hf_mapping import (
@@ -166,7 +166,8 @@ def import_hf(hf_dir: str, out_dir: str, mtp_num_steps: int = 3, dtype: torch.dt
 
     passthrough = {k: getattr(hf_cfg, k, None) for k in PASSTHROUGH}
     common = {COMMON_MODEL: json.dumps(dataclasses.asdict(cfg)),
-              COMMON_HF: json.dumps(passthrough), "hf_source": str(hf_dir)}
+              COMMON_HF: json.dumps(passthrough), "hf_source": str(hf_dir),
+              backend_keys.COMMON_KEY: backend_keys.LOCAL}  # names of the local spec (meta_model)
     dist_io.save_lazily(out_dir, chunks, objects, dtypes, source, common)
     with open(os.path.join(out_dir, MODEL_YAML), "w") as f:  # the run's model.* settings
         f.write(OmegaConf.to_yaml(OmegaConf.create(dataclasses.asdict(cfg))))
@@ -198,10 +199,10 @@ def _hf_tensors(name: str, tensor: torch.Tensor, cfg: GLM5Config, dtype):
 
 def export_hf(ckpt_dir: str, out_dir: str, dtype: torch.dtype | None = None,
               max_shard_bytes: int = 5 * 2**30) -> dict:
-    """megatron dist checkpoint (an import or a training run's) -> HF ``config.json`` +
-    safetensors shards (GLM-5's released layout: experts one by one, the MTP module as layer
-    ``num_layers`` with copies of embedding and head), one checkpoint layer in memory at a time.
-    Written to ``out_dir.tmp`` and renamed when complete."""
+    """megatron dist checkpoint (an import or a training run's, either layer backend) -> HF
+    ``config.json`` + safetensors shards (GLM-5's released layout: experts one by one, the MTP
+    module as layer ``num_layers`` with copies of embedding and head), one checkpoint layer in
+    memory at a time. Written to ``out_dir.tmp`` and renamed when complete."""
     import shutil
 
     from megatron.core.dist_checkpointing.mapping import ShardedObject
@@ -211,6 +212,9 @@ def export_hf(ckpt_dir: str, out_dir: str, dtype: torch.dtype | None = None,
     stored = dist_io.stored_dtypes(ckpt_dir)
     sharded = {k: v for k, v in meta_model(cfg).sharded_state_dict().items()
                if not isinstance(v, ShardedObject)}
+    # a Transformer Engine run's checkpoint names the dense layers' pre-MLP norm differently
+    backend_keys.adapt_to_checkpoint(sharded, backend_keys.LOCAL,
+                                     backend_keys.checkpoint_backend(ckpt_dir, common))
     groups: dict[str, list[str]] = {}
     for name in sharded:
         groups.setdefault(group_of(name), []).append(name)

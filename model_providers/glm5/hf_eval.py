@@ -70,11 +70,16 @@ def build_eval_model(cfg: GLM5Config, par, dsa_mode: str = "sparse", backend: st
 
 
 def load_weights(ckpt_dir: str, chunks) -> None:
-    """Model weights of a dist checkpoint, resharded to this rank's chunks."""
+    """Model weights of a dist checkpoint, resharded to this rank's chunks (either layer
+    backend's naming, see ``backend_keys``)."""
     from megatron.core import dist_checkpointing
 
+    from model_providers.glm5 import backend_keys
+
     sd = {f"model{i}": c.sharded_state_dict() for i, c in enumerate(chunks)}
-    loaded = dist_checkpointing.load(sd, ckpt_dir)
+    restore = backend_keys.adapt_to_checkpoint(sd, backend_keys.model_backend(chunks),
+                                               backend_keys.checkpoint_backend(ckpt_dir))
+    loaded = restore(dist_checkpointing.load(sd, ckpt_dir))
     for i, c in enumerate(chunks):
         c.load_state_dict(loaded[f"model{i}"], strict=True)
 
@@ -111,12 +116,14 @@ def next_token_loss(chunks, tokens: torch.Tensor) -> tuple[float, int]:
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
+    from parallel.device import current_device, to_device
+
     def loss_func(mask, output):
         loss_sum = (output.float() * mask).sum()
         return loss_sum, mask.sum().to(torch.int), {"lm": torch.stack([loss_sum, mask.sum()])}
 
     def forward_step(data_iterator, model):
-        b = next(data_iterator)
+        b = to_device(next(data_iterator))
         out = model(b["tokens"], b["position_ids"], None, labels=b["labels"], loss_mask=b["loss_mask"])
         return out, partial(loss_func, b["loss_mask"])
 
@@ -128,14 +135,15 @@ def next_token_loss(chunks, tokens: torch.Tensor) -> tuple[float, int]:
         forward_step_func=forward_step, data_iterator=iters if len(iters) > 1 else iters[0],
         model=chunks, num_microbatches=len(batches), seq_length=tokens.shape[1],
         micro_batch_size=1, forward_only=True)
-    total = torch.zeros(2, dtype=torch.float64)
+    total = torch.zeros(2, dtype=torch.float64, device=current_device())
     if (parallel_state.is_pipeline_last_stage(ignore_virtual=True)
             and parallel_state.get_tensor_model_parallel_rank() == 0):
         for o in outs:
             total += o["lm"].double()
     dist.all_reduce(total)
     reset_loss_trackers()
-    return float(total[0] / total[1]), int(total[1])
+    loss_sum, count = total.tolist()
+    return loss_sum / count, int(count)
 
 
 @torch.no_grad()

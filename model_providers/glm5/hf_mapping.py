@@ -19,6 +19,8 @@ from typing import Iterable
 
 import torch
 
+from model_providers.glm5 import backend_keys
+
 #: megatron suffix inside a transformer layer -> HF suffix(es) inside ``model.layers.<i>.``
 LAYER = {
     "input_layernorm.weight": ("input_layernorm.weight",),
@@ -73,7 +75,10 @@ def _layer_names(prefix: str, suffix: str) -> tuple[str, ...]:
 
 
 def hf_names(name: str, num_layers: int) -> tuple[str, ...]:
-    """HF tensors making up megatron tensor ``name`` (stacked along dim 0 when two)."""
+    """HF tensors making up megatron tensor ``name`` (stacked along dim 0 when two); local or
+    Transformer Engine naming (``backend_keys``: e.g. a dense layer's fused
+    ``mlp.linear_fc1.layer_norm_weight`` is HF ``post_attention_layernorm.weight``)."""
+    name = backend_keys.te_to_local(name) or name
     if name in TOP:
         return (TOP[name],)
     m = _DECODER.fullmatch(name)

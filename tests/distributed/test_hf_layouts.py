@@ -73,7 +73,7 @@ def imported(tmp_path_factory):
 def test_loss_cli_at_tp2_pp2_ep2_equals_one_rank_and_transformers(imported):
     root, ckpt, ids, (one, n_one), (ref, n_ref), _ = imported
     four = _cli(["loss", "--checkpoint", ckpt, "--tokens", ids, "--tp", "2", "--pp", "2", "--ep", "2",
-                 "--etp", "1"], nproc=4)
+                 "--etp", "1", "--cpu-emulation", "strict"], nproc=4)
     print(f"\nloss: 1 rank {one:.9f}, TP2xPP2xEP2 {four['loss']:.9f}, transformers {ref:.9f}")
     assert n_one == four["tokens"] == n_ref == 4 * (hs.SEQ - 1)
     assert four["loss"] == pytest.approx(one, rel=REL_LAYOUT)
