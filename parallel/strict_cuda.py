@@ -244,18 +244,11 @@ def _base_get(base, t):
         return base.__get__(t)
 
 
-def _device_property(base):
+def _tracked_property(base, on_device_value):
+    """``Tensor.<attr>`` answering ``on_device_value`` for device tensors, else the real one."""
     def get(self):
         if type(self) in _PLAIN_TENSORS and on_device(self):
-            return _CUDA0
-        return _base_get(base, self)
-    return property(get)
-
-
-def _is_cuda_property(base):
-    def get(self):
-        if type(self) in _PLAIN_TENSORS and on_device(self):
-            return True
+            return on_device_value
         return _base_get(base, self)
     return property(get)
 
@@ -296,8 +289,8 @@ def install() -> None:
                   current_device=torch.cuda.current_device, new_group=dist.new_group,
                   coll_device=c10d._get_object_coll_device,
                   capability=torch.cuda.get_device_capability)
-    torch.Tensor.device = _device_property(base.__dict__["device"])
-    torch.Tensor.is_cuda = _is_cuda_property(base.__dict__["is_cuda"])
+    torch.Tensor.device = _tracked_property(base.__dict__["device"], _CUDA0)
+    torch.Tensor.is_cuda = _tracked_property(base.__dict__["is_cuda"], True)
     torch.Tensor.get_device = lambda self: 0 if on_device(self) else base.get_device(self)
     torch.cuda.current_device = lambda: _CUDA0  # an int on GPUs; both work as device=
     torch.cuda.get_device_capability = lambda device=None: (9, 0)  # code paths of an H100/H200
