@@ -16,6 +16,7 @@ from data_pipeline.chat import render
 from data_pipeline.config import DataConfigError
 from data_pipeline.preprocess import prepare
 from data_pipeline.readers import DataError
+from data_pipeline.samples import sample_dir
 from data_pipeline.tokenizer import load
 from tests.unit.data_support import corpus_cfg, default_data_cfg, read_docs, sample_outputs, tokenizer_path, write_jsonl
 
@@ -39,7 +40,8 @@ def test_sample_corpora_round_trip():
     outputs = sample_outputs()
     assert set(outputs) == {"prose", "code", "math", "agent"}
     for name, out in outputs.items():
-        files = glob.glob(os.path.join(cfg.cache_dir, "samples", f"{name}-*", "*.jsonl"))
+        # this interpreter's sample corpus (the cache may hold others, keyed by Python version)
+        files = glob.glob(os.path.join(sample_dir(name, cfg.cache_dir, cfg.sample_seed), "*.jsonl"))
         if name == "agent":
             texts = [render(m, cfg.chat)[0] for m in _texts(files, "messages")]
         else:
