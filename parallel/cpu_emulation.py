@@ -54,11 +54,8 @@ class CudaDeviceToCpuMode(TorchFunctionMode):
         if self.strict:
             from parallel import strict_cuda
 
-            if func is torch.Tensor.type and len(args) == 1 and not kwargs:
-                name = func(*args)
-                return self._TYPE_NAMES.get(name, name) if strict_cuda.on_device(args[0]) else name
-            return strict_cuda.StrictCudaFunctions.handle(
-                func, args, kwargs, lambda a, k: self._rewritten(func, a, k))
+            return strict_cuda.handle_function(func, args, kwargs,
+                                               lambda a, k: self._rewritten(func, a, k))
         return self._rewritten(func, args, kwargs)
 
     def _rewritten(self, func, args, kwargs):
@@ -66,7 +63,7 @@ class CudaDeviceToCpuMode(TorchFunctionMode):
             return args[0]
         if func is torch.Tensor.type and len(args) == 1 and not kwargs:
             name = func(*args)
-            return self._TYPE_NAMES.get(name, name)
+            return self._TYPE_NAMES.get(name, name) if self._on_device(args[0]) else name
         if "device" in kwargs:
             kwargs = dict(kwargs, device=_cpu_device(kwargs["device"]))
         if func is torch.Tensor.to and len(args) > 1:
@@ -74,6 +71,14 @@ class CudaDeviceToCpuMode(TorchFunctionMode):
         if "pin_memory" in kwargs:
             kwargs = dict(kwargs, pin_memory=False)
         return func(*args, **kwargs)
+
+    def _on_device(self, t) -> bool:
+        """Plain mode: every tensor is on the (emulated) device; strict mode tracks it."""
+        if not self.strict:
+            return True
+        from parallel import strict_cuda
+
+        return strict_cuda.on_device(t)
 
 
 class _NullStream:
@@ -98,15 +103,15 @@ class _NullStream:
         return True
 
     def synchronize(self, *args, **kwargs):
-        _count_strict_sync("stream/event synchronize")
+        _count_strict_sync()
 
 
-def _count_strict_sync(what: str) -> None:
+def _count_strict_sync(*args, **kwargs) -> None:
     """Under strict emulation a wait for the device is a host sync (counted, not raised)."""
     from parallel import strict_cuda
 
     if strict_cuda.is_active():
-        strict_cuda._count_sync(what)
+        strict_cuda._count_sync()
 
 
 def _all_to_all_single_with_list_splits(original):
@@ -174,7 +179,7 @@ def _patch_cuda_runtime() -> None:
     cuda = torch.cuda
     cuda.current_device = lambda: _CPU
     cuda.set_device = lambda *a, **k: None
-    cuda.synchronize = lambda *a, **k: _count_strict_sync("torch.cuda.synchronize")
+    cuda.synchronize = _count_strict_sync
     cuda.empty_cache = lambda *a, **k: None
     cuda.Stream = _NullStream
     cuda.Event = _NullStream

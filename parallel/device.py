@@ -16,8 +16,8 @@ def current_device():
 
 
 def to_device(batch: dict) -> dict:
-    """A host batch's tensors on this rank's device (asynchronous copies from pinned memory on
-    GPUs)."""
+    """A host batch's tensors on this rank's device (``non_blocking``: asynchronous where the
+    host memory is pinned)."""
     device = current_device()
     return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
 

@@ -25,10 +25,7 @@ are bit-identical.
 
 from __future__ import annotations
 
-import collections
 import functools
-import os
-import traceback
 
 import torch
 import torch.distributed as dist
@@ -83,30 +80,15 @@ def mark(t: torch.Tensor, resident: bool) -> torch.Tensor:
     return t
 
 
-#: where the syncs since the last :func:`take_host_syncs` came from: (what, first caller outside
-#: torch and this module) -> count; for finding and removing them
-sync_sites: collections.Counter = collections.Counter()
-
-
-def _caller() -> str:
-    for frame in reversed(traceback.extract_stack(limit=40)[:-1]):
-        f = frame.filename
-        if "/torch/" not in f and not f.endswith(("strict_cuda.py", "cpu_emulation.py")):
-            return f"{f.split('site-packages/')[-1].replace(os.getcwd() + '/', '')}:{frame.lineno}"
-    return "?"
-
-
-def _count_sync(what: str = "") -> None:
+def _count_sync() -> None:
     global _host_syncs
     _host_syncs += 1
-    sync_sites[(what, _caller())] += 1
 
 
 def take_host_syncs() -> int:
     """Host syncs on device tensors since the last call."""
     global _host_syncs
     n, _host_syncs = _host_syncs, 0
-    sync_sites.clear()
     return n
 
 
@@ -147,9 +129,9 @@ class DeviceResidencyMode(TorchDispatchMode):
                     f"devices, cuda:0 and cpu! (when checking arguments for {name}; host tensor "
                     f"of shape {tuple(host[0].shape)}) [strict CUDA emulation]")
             if base in _DATA_DEPENDENT or name in _DATA_DEPENDENT:
-                _count_sync(base)
+                _count_sync()
             elif base == "aten::copy_" and not on_device(args[0]) and on_device(args[1]):
-                _count_sync("device->host copy_")
+                _count_sync()
         out = func(*args, **kwargs)
         if device:
             for o in tree_flatten(out)[0]:
@@ -178,60 +160,56 @@ class DeviceResidencyMode(TorchDispatchMode):
                 f"[strict CUDA emulation]")
 
 
-class StrictCudaFunctions:
-    """The torch-function half (entered by :class:`parallel.cpu_emulation.CudaDeviceToCpuMode` in
-    strict mode): what is created for CUDA becomes a device tensor, moves copy, host syncs at the
-    Python level are counted."""
-
-    @staticmethod
-    def handle(func, args, kwargs, call):
-        """``call(args, kwargs)`` runs the plain emulation's rewritten call; returns the result."""
-        if func is torch.Tensor.cuda:
-            t = args[0]
-            return t if on_device(t) else mark(t.clone(), True)
-        if func is torch.Tensor.cpu:
-            t = args[0]
-            if not on_device(t):
-                return t
-            _count_sync(".cpu()")
-            return mark(t.clone(), False)
-        if func is torch.Tensor.tolist or func is torch.Tensor.numpy:
-            if on_device(args[0]):
-                if func is torch.Tensor.numpy:
-                    raise TypeError("can't convert cuda:0 device type tensor to numpy. Use "
-                                    "Tensor.cpu() to copy the tensor to host memory first. "
-                                    "[strict CUDA emulation]")
-                _count_sync(".tolist()")
-            return call(args, kwargs)
-        if func is torch.Tensor.to:
-            return StrictCudaFunctions._to(args, kwargs, call)
-        to_cuda = "device" in kwargs and _is_cuda_device(kwargs["device"])
-        out = call(args, kwargs)
-        for o in tree_flatten(out)[0]:  # made by Python code: where it asked, else the host
-            if isinstance(o, torch.Tensor) and (to_cuda or _tag(o) is None):
-                mark(o, to_cuda)
-        return out
-
-    @staticmethod
-    def _to(args, kwargs, call):
+def handle_function(func, args, kwargs, call):
+    """The torch-function half, called by :class:`parallel.cpu_emulation.CudaDeviceToCpuMode` in
+    strict mode (``call(args, kwargs)`` runs its rewritten call): what is created for CUDA becomes
+    a device tensor, moves copy, host syncs at the Python level are counted."""
+    if func is torch.Tensor.cuda:
         t = args[0]
-        target = kwargs.get("device")
-        if target is None and len(args) > 1 and isinstance(args[1], (torch.device, str, int)) \
-                and not isinstance(args[1], bool):
-            target = args[1]
-        if target is None and len(args) > 1 and isinstance(args[1], torch.Tensor):
-            target = _CUDA0 if on_device(args[1]) else torch.device("cpu")
-        if target is None:
-            return call(args, kwargs)  # dtype only: stays where it is
-        want_device = _is_cuda_device(target)
-        if want_device == on_device(t):
-            return call(args, kwargs)
-        if not want_device and not kwargs.get("non_blocking", False):
-            _count_sync(".to(host)")  # non_blocking: the wait comes at a synchronize
-        moved = call(args, kwargs)
-        if moved is t or _storage(moved) is _storage(t):
-            moved = moved.clone()  # a move is a copy, as on a GPU
-        return mark(moved, want_device)
+        return t if on_device(t) else mark(t.clone(), True)
+    if func is torch.Tensor.cpu:
+        t = args[0]
+        if not on_device(t):
+            return t
+        _count_sync()
+        return mark(t.clone(), False)
+    if func is torch.Tensor.tolist or func is torch.Tensor.numpy:
+        if on_device(args[0]):
+            if func is torch.Tensor.numpy:
+                raise TypeError("can't convert cuda:0 device type tensor to numpy. Use "
+                                "Tensor.cpu() to copy the tensor to host memory first. "
+                                "[strict CUDA emulation]")
+            _count_sync()
+        return call(args, kwargs)
+    if func is torch.Tensor.to:
+        return _to(args, kwargs, call)
+    to_cuda = "device" in kwargs and _is_cuda_device(kwargs["device"])
+    out = call(args, kwargs)
+    for o in tree_flatten(out)[0]:  # made by Python code: where it asked, else the host
+        if isinstance(o, torch.Tensor) and (to_cuda or _tag(o) is None):
+            mark(o, to_cuda)
+    return out
+
+
+def _to(args, kwargs, call):
+    t = args[0]
+    target = kwargs.get("device")
+    if target is None and len(args) > 1 and isinstance(args[1], (torch.device, str, int)) \
+            and not isinstance(args[1], bool):
+        target = args[1]
+    if target is None and len(args) > 1 and isinstance(args[1], torch.Tensor):
+        target = _CUDA0 if on_device(args[1]) else torch.device("cpu")
+    if target is None:
+        return call(args, kwargs)  # dtype only: stays where it is
+    want_device = _is_cuda_device(target)
+    if want_device == on_device(t):
+        return call(args, kwargs)
+    if not want_device and not kwargs.get("non_blocking", False):
+        _count_sync()  # non_blocking: the wait comes at a synchronize
+    moved = call(args, kwargs)
+    if moved is t or _storage(moved) is _storage(t):
+        moved = moved.clone()  # a move is a copy, as on a GPU
+    return mark(moved, want_device)
 
 
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)

@@ -164,36 +164,29 @@ def train_step(ddp_chunks, optimizer, scheduler, dataset, consumed_samples: int,
     if MTPLossLoggingHelper.tracker.get("values") is not None:
         MTPLossLoggingHelper.clean_loss_in_tracker()
 
-    imbalance = probe.value if probe.value is not None else torch.ones(
-        1, dtype=torch.float64, device=current_device())
+    device = current_device()
+    imbalance = probe.value if probe.value is not None else torch.ones(1, dtype=torch.float64, device=device)
     dist.all_reduce(imbalance, op=dist.ReduceOp.MAX)
-    scalars = [report, imbalance]
-    aux_entries, kl_entries = 0, 0
+    aux = torch.zeros(1, dtype=torch.float64, device=device)
+    kl = torch.zeros(0, dtype=torch.float64, device=device)
     tracker = moe_utils.get_moe_layer_wise_logging_tracker()
     if tracker:
         moe_utils.reduce_aux_losses_tracker_across_ranks()
         for name, entry in tracker.items():
             values = entry["values"] / len(batches)
             if name == KL_TRACKER:
-                kl_entries = values.numel()
-                kl_values = values.double()
+                kl = values.double()
             else:
-                aux_entries += 1
-                scalars.append(values.sum().double().reshape(1))
-        if kl_entries:
-            scalars.append(kl_values)
-    host = torch.cat(scalars).tolist()  # the step's one device -> host copy of its metrics
-    if tracker:
+                aux += values.sum().double()
         moe_utils.clear_aux_losses_tracker()
+    host = torch.cat([report, imbalance, aux, kl]).tolist()  # the step's one copy to the host
     n = 2 + mtp_steps
-    aux = sum(host[n + 1:n + 1 + aux_entries])
-    kl = host[n + 1 + aux_entries:n + 1 + aux_entries + kl_entries]
     return StepStats(
         lm_loss=host[0] / max(host[1], 1),
         loss_tokens=int(host[1]),
         mtp_losses=host[2:n],
-        moe_aux_loss=aux,
-        indexer_kl=kl,
+        moe_aux_loss=host[n + 1],
+        indexer_kl=host[n + 2:],
         grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
         moe_load_imbalance=host[n],
         skipped=not ok,
