@@ -40,7 +40,7 @@ def emulation_overhead(reps: int) -> tuple[float, float]:
 
     from model_providers.glm5.config import GLM5Config, PrecisionConfig, to_transformer_config
     from model_providers.glm5.provider import build_model_chunks
-    from parallel import cpu_emulation
+    from parallel.megatron_compat import cpu_emulation
     from parallel.config import ParallelConfig
     from parallel.initialize import initialize
 

@@ -10,10 +10,6 @@ from dataclasses import dataclass
 from typing import Optional
 
 
-class ParallelConfigError(ValueError):
-    """A parallel layout that cannot work for this model or world size."""
-
-
 @dataclass
 class ParallelConfig:
     """How ranks split the work. Data parallelism is what is left: world / (tp * pp * cp)."""
@@ -52,11 +48,6 @@ class Layout:
     layers_per_stage: tuple  #: decoder layers on each (pp rank, virtual stage), in model order
 
 
-def _fail(problems: list[str]) -> None:
-    if problems:
-        raise ParallelConfigError("invalid parallel layout:\n  - " + "\n  - ".join(problems))
-
-
 def _rank_layer_counts(num_layers: int, par: ParallelConfig) -> list[int]:
     """Decoder layers per pipeline rank (all its virtual stages together)."""
     first = par.first_stage_layers
@@ -83,7 +74,7 @@ def stage_layer_counts(num_layers: int, par: ParallelConfig) -> list[int]:
     return [chunks[r][s] for s in range(v) for r in range(par.pp)]
 
 
-def validate(
+def check_layout(
     par: ParallelConfig,
     *,
     world_size: int,
@@ -93,9 +84,10 @@ def validate(
     seq_length: int,
     micro_batch_size: int,
     global_batch_size: int,
-) -> Layout:
-    """Check ``par`` against the model and world; return the derived layout or raise
-    :class:`ParallelConfigError` listing every problem found."""
+) -> tuple[Optional[Layout], list[str]]:
+    """Check ``par`` against the model and world: the derived layout (None when it cannot
+    work) and every problem found. Later checks need the earlier ones to hold, so a layout
+    reports the problems of the first failing group."""
     p: list[str] = []
     if world_size < 1:
         p.append(f"world size {world_size} must be >= 1")
@@ -108,7 +100,8 @@ def validate(
         p.append(f"parallel.etp={par.etp} must be >= 1 or null")
     if par.cpu_emulation not in ("plain", "strict"):
         p.append(f"parallel.cpu_emulation={par.cpu_emulation!r} must be plain or strict")
-    _fail(p)
+    if p:
+        return None, p
 
     model_parallel = par.tp * par.pp * par.cp
     if world_size % model_parallel:
@@ -152,7 +145,8 @@ def validate(
         val = getattr(par, name)
         if val is not None and (par.pp == 1 or val < 1):
             p.append(f"parallel.{name}={val} needs parallel.pp > 1 and a value >= 1")
-    _fail(p)
+    if p:
+        return None, p
 
     uneven = (par.first_stage_layers or 0) + (par.last_stage_layers or 0)
     middle_stages = par.pp - (par.first_stage_layers is not None) - (par.last_stage_layers is not None)
@@ -178,7 +172,8 @@ def validate(
                     f"pipeline rank {r} would hold {n} layers for parallel.vpp={par.vpp}: every "
                     "model chunk needs at least one layer"
                 )
-    _fail(p)
+    if p:
+        return None, p
 
     dp = world_size // model_parallel
     if micro_batch_size < 1 or global_batch_size < 1:
@@ -196,10 +191,11 @@ def validate(
             f"interleaved pipeline: micro-batches per step "
             f"({global_batch_size // (micro_batch_size * dp)}) must be a multiple of parallel.pp={par.pp}"
         )
-    _fail(p)
+    if p:
+        return None, p
     return Layout(
         world_size=world_size,
         dp=dp,
         expert_dp=world_size // expert_parallel,
         layers_per_stage=tuple(stage_layer_counts(num_layers, par)),
-    )
+    ), []

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from parallel import cpu_emulation
+from parallel.megatron_compat import cpu_emulation
 
 
 def current_device():

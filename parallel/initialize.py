@@ -14,8 +14,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from parallel import cpu_emulation, megatron_compat
+from parallel import megatron_compat
 from parallel.config import ParallelConfig
+from parallel.megatron_compat import cpu_emulation
 
 
 @dataclass(frozen=True)
@@ -26,6 +27,11 @@ class DistEnv:
     master_addr: str
     master_port: int
     launcher: str  #: "torchrun", "slurm" or "single"
+
+    @classmethod
+    def one_process(cls) -> "DistEnv":
+        """Rank 0 of 1 on a free local port (one-process tools and tests)."""
+        return cls(0, 1, 0, "127.0.0.1", free_port(), "single")
 
 
 def first_slurm_host(nodelist: str) -> str:
@@ -49,7 +55,8 @@ def first_slurm_host(nodelist: str) -> str:
     return prefix + first
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (the OS picks it)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -78,7 +85,7 @@ def dist_env(environ=None) -> DistEnv:
             master_port=int(env.get("MASTER_PORT") or 20000 + job_id % 20000),
             launcher="slurm",
         )
-    return DistEnv(0, 1, 0, "127.0.0.1", int(env.get("MASTER_PORT") or _free_port()), "single")
+    return DistEnv(0, 1, 0, "127.0.0.1", int(env.get("MASTER_PORT") or free_port()), "single")
 
 
 def set_seeds(seed: int) -> None:
@@ -90,10 +97,11 @@ def set_seeds(seed: int) -> None:
 
 def start_process_group(env: DistEnv, timeout_s: int = 600, cpu_emulation_mode: str = "plain") -> str:
     """init_process_group with NCCL when CUDA is present, gloo otherwise (with the CPU emulation,
-    ``plain`` or ``strict``). Returns the backend."""
+    ``plain`` or ``strict``). Returns the backend. megatron-core's fixes are installed first, on
+    every backend (:mod:`parallel.megatron_compat`)."""
+    megatron_compat.install()
     if dist.is_initialized():
         return dist.get_backend()
-    megatron_compat.install()
     use_cuda = torch.cuda.is_available()
     if use_cuda:
         torch.cuda.set_device(env.local_rank % torch.cuda.device_count())

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import signal
 import subprocess
 import sys
 import time
+
+from parallel.initialize import free_port
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -16,12 +17,6 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 #: warmup; curriculum tests pass curriculum=... after these
 QUIET = ["logger.wandb.mode=disabled", "logger.progress_bar=false", "scheduler.warmup_steps=1",
          "curriculum=none"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def train_command(overrides: list[str], nproc: int = 1) -> list[str]:

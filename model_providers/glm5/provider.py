@@ -7,38 +7,43 @@ from megatron.core.models.gpt import GPTModel
 
 from model_providers.glm5.config import GLM5Config
 from model_providers.glm5.dsa.modes import apply_dsa_mode
-from model_providers.glm5.mtp import SharedMultiTokenPredictionBlock, document_boundaries
+from model_providers.glm5.mtp import SharedMultiTokenPredictionBlock
 from model_providers.glm5.specs import decoder_block_spec, mtp_block_spec
 from model_providers.glm5.tp_attributes import normalize_tp_attributes
+from parallel import megatron_compat
 from parallel.device import current_device
 
 
 class GLM5Model(GPTModel):
     """megatron's GPTModel with GLM-5's shared MTP block.
 
-    GPTModel constructs its MTP block itself; the block spec given here has one layer, and the
-    block is switched to :class:`SharedMultiTokenPredictionBlock` (same state, a forward that
-    applies that layer at every depth) so the parameters exist once. Its MTP losses
-    are sequence means under context parallelism (see ``mtp._roll_tensor_sequence_count``) and
-    stay inside packed documents.
+    GPTModel constructs its MTP block itself (megatron-core offers no hook for its class); the
+    block spec given here has one layer, and the built block is explicitly switched to
+    :class:`SharedMultiTokenPredictionBlock` (same state, a forward that applies that layer at
+    every depth: ``megatron_compat.set_mtp_block_class``) so the parameters exist once. Its MTP
+    losses are sequence means under context parallelism and stay inside packed documents
+    (``parallel.megatron_compat.mtp``).
     """
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         if self.mtp_process:
-            self.mtp.__class__ = SharedMultiTokenPredictionBlock
+            megatron_compat.set_mtp_block_class(self, SharedMultiTokenPredictionBlock)
 
     def forward(self, input_ids, position_ids, attention_mask, *args, **kwargs):
         """``attention_mask`` is None or the micro-batch's document ids [b, L] (see
-        ``dsa.layout``); MTP's shifts then stay inside documents (``mtp.document_boundaries``)."""
-        with document_boundaries(attention_mask if self.mtp_process else None):
+        ``dsa.layout``); MTP's shifts then stay inside documents
+        (``megatron_compat.document_boundaries``)."""
+        with megatron_compat.document_boundaries(attention_mask if self.mtp_process else None):
             return super().forward(input_ids, position_ids, attention_mask, *args, **kwargs)
 
 
 def build_model_chunks(cfg: GLM5Config, tcfg, backend: str) -> list[GLM5Model]:
     """Model chunks of this rank in virtual-stage order; each knows whether it embeds
     (first stage), computes the loss (last stage) and holds the MTP module. Their linear layers'
-    TP attributes are set from the layers' layout, not the backend's marks (``tp_attributes``)."""
+    TP attributes are set from the layers' layout, not the backend's marks (``tp_attributes``).
+    megatron-core's fixes are installed first (idempotent; ``parallel.initialize`` did already)."""
+    megatron_compat.install()
     vpp = tcfg.virtual_pipeline_model_parallel_size or 1
     chunks = []
     for vp_stage in range(vpp):

@@ -1,10 +1,17 @@
-"""Changes to megatron-core's behaviour that hold on every backend (CPU and GPU).
+"""Every change this project makes to megatron-core's behaviour, in one package.
 
-Each fix names the upstream behaviour it changes and the megatron-core version it was written
-for; :func:`install` refuses another version, so an upgrade shows which fix to re-check.
-(The CPU-only emulation lives in :mod:`parallel.cpu_emulation`.)
+- Correctness fixes, on every backend (CPU and GPU): :func:`install` (``fixes.py``,
+  ``distrib_optimizer.py``, ``mtp.py``), called by ``parallel.initialize`` before any model or
+  optimizer is built. :func:`document_boundaries` and :func:`set_mtp_block_class` are the two
+  per-model hooks of ``mtp.py``; :func:`release_cached_modules` empties megatron's caches.
+- CPU emulation, only without CUDA: ``cpu_emulation.py`` (CUDA on CPU ranks) and
+  ``strict_cuda.py`` (fail where CUDA would), installed by ``cpu_emulation.install``.
+
+Each patch names the upstream behaviour it changes; both installs refuse a megatron-core release
+other than the one they were written for (``version.py``), so an upgrade shows which to re-check.
 """
 
 from parallel.megatron_compat.fixes import install, release_cached_modules
+from parallel.megatron_compat.mtp import document_boundaries, set_mtp_block_class
 
-__all__ = ["install", "release_cached_modules"]
+__all__ = ["document_boundaries", "install", "release_cached_modules", "set_mtp_block_class"]

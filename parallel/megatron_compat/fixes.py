@@ -1,22 +1,15 @@
-"""Correctness and resource fixes to megatron-core 0.16.1, installed on every backend."""
+"""Correctness and resource fixes to megatron-core 0.16.1, installed on every backend (CPU and
+GPU) by :func:`install`, before any model or optimizer is built."""
 
 from __future__ import annotations
 
 import functools
+import queue
 
-#: the megatron-core release these fixes were written against and tested with
-MEGATRON_CORE_VERSION = "0.16.1"
+from parallel.megatron_compat import distrib_optimizer, mtp
+from parallel.megatron_compat.version import check_megatron_core
 
 _INSTALLED = False
-
-
-def _check_version() -> None:
-    from megatron.core import package_info
-
-    if package_info.__version__ != MEGATRON_CORE_VERSION:
-        raise RuntimeError(
-            f"parallel.megatron_compat was written for megatron-core {MEGATRON_CORE_VERSION}, "
-            f"found {package_info.__version__}: re-check each fix in {__file__} against it")
 
 
 def _alltoall_dispatcher_drops_probs_after_combine() -> None:
@@ -74,12 +67,29 @@ def _te_probes_without_transformer_engine() -> None:
         moe_utils.te_general_gemm = None
 
 
+def _in_process_checkpoint_write_results() -> None:
+    """megatron's torch_dist writer hands its write results back through a queue served by a
+    *spawned* multiprocessing Manager (``filesystem_async._get_write_results_queue``): a fresh
+    interpreter per rank that re-imports the training entry point at the first save (5-10 s of
+    CPU per rank). That queue only has to cross processes for asynchronous saves; ours are
+    synchronous (``pretrain.checkpoint``: the write runs in this process, its forked writers
+    report through their own queue), so a plain in-process queue carries the results. An
+    asynchronous save would need megatron's queue back: drop this fix then."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if filesystem_async._results_queue is None:
+        filesystem_async._results_queue = queue.Queue()
+
+
 def install() -> None:
-    """Install every fix once (idempotent)."""
+    """Install every fix once (idempotent); refuses another megatron-core release."""
     global _INSTALLED
     if _INSTALLED:
         return
-    _check_version()
+    check_megatron_core(__file__, distrib_optimizer.__file__, mtp.__file__)
     _alltoall_dispatcher_drops_probs_after_combine()
     _te_probes_without_transformer_engine()
+    _in_process_checkpoint_write_results()
+    distrib_optimizer.install()
+    mtp.install()
     _INSTALLED = True

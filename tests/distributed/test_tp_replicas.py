@@ -10,19 +10,14 @@ slices of one master weight.
 from __future__ import annotations
 
 import json
-import socket
 from pathlib import Path
 
 import pytest
 import torch
 
+from parallel.initialize import free_port
+
 pytestmark = pytest.mark.heavy
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(rank: int, port: int, out_dir: str) -> None:
@@ -73,7 +68,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
 @pytest.fixture(scope="module")
 def replica_report(tmp_path_factory):
     out = tmp_path_factory.mktemp("tp_replicas")
-    torch.multiprocessing.spawn(_worker, args=(_free_port(), str(out)), nprocs=2, join=True)
+    torch.multiprocessing.spawn(_worker, args=(free_port(), str(out)), nprocs=2, join=True)
     return json.loads((out / "result.json").read_text())
 
 

@@ -23,6 +23,8 @@ import tempfile
 import time
 from typing import Optional
 
+from parallel.initialize import free_port
+
 PACKAGES = ["slurm-wlm", "munge"]
 DAEMONS = ["slurmctld", "slurmd", "munged"]
 CLIENTS = ["sbatch", "srun", "scontrol", "squeue", "scancel", "sinfo"]
@@ -34,12 +36,6 @@ class SlurmSetupError(RuntimeError):
 
 class SlurmUnavailable(RuntimeError):
     """This platform cannot have Slurm (no apt); the tests skip with this reason."""
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _run(cmd: list[str], timeout: float, env: Optional[dict] = None) -> subprocess.CompletedProcess:
@@ -140,7 +136,7 @@ class SlurmCluster:
             os.makedirs(os.path.join(root, sub), exist_ok=True)
         with open(conf, "w") as f:
             f.write(SLURM_CONF.format(host=host, root=root, cpus=cpus, munge_socket=munge_socket,
-                                      ctld_port=_free_port(), slurmd_port=_free_port()))
+                                      ctld_port=free_port(), slurmd_port=free_port()))
         env = {**os.environ, "SLURM_CONF": conf}
         cluster = cls(env, root, {})
         cluster.socket_dir = socket_dir

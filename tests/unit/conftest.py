@@ -1,7 +1,5 @@
 """Shared fixtures of the one-process tests."""
 
-import socket
-
 import pytest
 import torch.distributed as dist
 
@@ -16,10 +14,7 @@ def one_rank():
     from parallel.config import ParallelConfig
     from parallel.initialize import DistEnv, initialize
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    initialize(ParallelConfig(), seed=5, env=DistEnv(0, 1, 0, "127.0.0.1", port, "single"))
+    initialize(ParallelConfig(), seed=5, env=DistEnv.one_process())
     # megatron's layer-wise loss tracker is process-global and sized by the first model that
     # logs into it: every module starts from an empty one
     moe_utils.get_moe_layer_wise_logging_tracker().clear()

@@ -246,12 +246,12 @@ def _save(sharded: dict, path, backend: str | None) -> None:
     from megatron.core import dist_checkpointing
 
     from model_providers.glm5.hf_convert import COMMON_MODEL
-    from pretrain.checkpoint import _in_process_write_results
+    from parallel import megatron_compat
 
     common = {COMMON_MODEL: json.dumps(dataclasses.asdict(_cfg("glm5_tiny")))}
     if backend is not None:
         common[bk.COMMON_KEY] = backend
-    _in_process_write_results()
+    megatron_compat.install()  # in-process write results, as a run has
     path.mkdir()
     dist_checkpointing.save({"model0": sharded, **common}, str(path))
 

@@ -1,4 +1,4 @@
-"""One test per patch in ``parallel/cpu_emulation.py``: when a megatron-core (or torch) upgrade
+"""One test per patch in ``parallel/megatron_compat/cpu_emulation.py``: when a megatron-core (or torch) upgrade
 breaks the CPU emulation, the failing test names the patch.
 
 Every test runs with the emulation installed (CUDA is absent on the machines that run these);
@@ -7,25 +7,20 @@ without it each of the calls below raises (no CUDA) or returns the wrong thing.
 
 from __future__ import annotations
 
-import socket
 from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from parallel import cpu_emulation, megatron_compat
+from parallel import megatron_compat
+from parallel.initialize import free_port
+from parallel.megatron_compat import cpu_emulation
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU emulation is for CUDA-less hosts")
 
 cpu_emulation.install()
 megatron_compat.install()  # the TE-probe fixes the local MLA spec needs
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _draws(state: torch.Tensor, n: int = 8) -> torch.Tensor:
@@ -51,6 +46,18 @@ def test_install_is_idempotent_and_reports_active():
     wrapped = dist.all_to_all_single
     cpu_emulation.install()
     assert dist.all_to_all_single is wrapped, "a second install() must not wrap all_to_all_single twice"
+
+
+def test_install_refuses_another_megatron_core_version_naming_the_file(monkeypatch):
+    from megatron.core import package_info
+
+    monkeypatch.setattr(package_info, "__version__", "0.17.0")
+    monkeypatch.setattr(cpu_emulation, "_INSTALLED", False)
+    wrapped = dist.all_to_all_single
+    with pytest.raises(RuntimeError, match=r"written for megatron-core 0\.16\.1, found 0\.17\.0") as err:
+        cpu_emulation.install()
+    assert cpu_emulation.__file__ in str(err.value)
+    assert dist.all_to_all_single is wrapped, "nothing is patched before the version check"
 
 
 # --- device rewriting (CudaDeviceToCpuMode) ---------------------------------------------------
@@ -344,7 +351,7 @@ def single_rank_model_parallel():
         pytest.fail("a process group is already initialized in the test process")
     dist.init_process_group(
         "gloo",
-        init_method=f"tcp://127.0.0.1:{_free_port()}",
+        init_method=f"tcp://127.0.0.1:{free_port()}",
         rank=0,
         world_size=1,
         timeout=timedelta(seconds=60),
@@ -408,7 +415,7 @@ def test_mla_builds_from_megatron_local_spec(single_rank_model_parallel):
 
 
 def _all_to_all_worker(rank: int, port: int) -> None:
-    from parallel import cpu_emulation as emu
+    from parallel.megatron_compat import cpu_emulation as emu
 
     emu.install()
     dist.init_process_group(
@@ -470,7 +477,7 @@ def test_all_to_all_split_tensors_and_uneven_all_gather():
     """Rank 0 is this process (megatron is already imported here), rank 1 a spawned child."""
     if dist.is_initialized():
         pytest.fail("a process group is already initialized in the test process")
-    port = _free_port()
+    port = free_port()
     child = torch.multiprocessing.start_processes(
         _all_to_all_child, args=(port,), nprocs=1, join=False, start_method="spawn"
     )
@@ -484,92 +491,6 @@ def test_all_to_all_split_tensors_and_uneven_all_gather():
         for proc in child.processes:
             proc.kill()
         pytest.fail("rank 1 did not finish within 120 s")
-
-
-# --- distributed optimizer with torch's AdamW (no TE / Apex FusedAdam) ------------------------
-
-
-class _FakeDistOpt:
-    """The attributes of megatron's DistributedOptimizer that the two patched methods use, around
-    a real torch AdamW with one (shard) parameter."""
-
-    def __init__(self, stepped: bool):
-        from types import SimpleNamespace
-
-        self.param = torch.nn.Parameter(torch.zeros(4))
-        self.optimizer = torch.optim.AdamW([self.param], lr=0.1)
-        if stepped:
-            self.param.grad = torch.ones(4)
-            self.optimizer.step()
-        self.model_param_group_index_map = {"model_param": (0, 0)}
-        self.config = SimpleNamespace(use_precision_aware_optimizer_no_fp8_or_ds_fp8=False)
-        self.ddp_config = SimpleNamespace(use_megatron_fsdp=True)  # shortest path through the original
-        self.is_stub_optimizer = False
-        self.primed = False
-
-    def _init_optimizer_states_with_dummy_values(self):
-        self.primed = True
-        self.param.grad = torch.zeros(4)
-        self.optimizer.step()
-
-    def sharded_param_state_fsdp_dtensor(self, is_loading):
-        return {k: v.clone() for k, v in self.optimizer.state[self.param].items()}
-
-
-def test_distributed_optimizer_loading_into_a_fresh_torch_adam_gets_placeholder_state():
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-
-    fresh = _FakeDistOpt(stepped=False)
-    meta = {"distrib_optim_sharding_type": "fsdp_dtensor"}
-    state = DistributedOptimizer.sharded_state_dict(fresh, {}, is_loading=True, metadata=meta)
-    assert fresh.primed and set(state) == {"step", "exp_avg", "exp_avg_sq"}
-    stepped = _FakeDistOpt(stepped=True)
-    DistributedOptimizer.sharded_state_dict(stepped, {}, is_loading=True, metadata=meta)
-    assert not stepped.primed  # existing state is left alone
-    saving = _FakeDistOpt(stepped=False)
-    assert DistributedOptimizer.sharded_state_dict(saving, {}, is_loading=False, metadata=meta) == {}
-    assert not saving.primed
-
-
-def test_distributed_optimizer_state_load_keeps_torch_adam_step():
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-
-    opt = _FakeDistOpt(stepped=True)
-    step = opt.optimizer.state[opt.param]["step"]
-    loaded = {"param": torch.full((4,), 2.0), "exp_avg": torch.full((4,), 3.0), "exp_avg_sq": torch.full((4,), 4.0)}
-    with torch.no_grad():  # as megatron's loaders call it
-        DistributedOptimizer._set_main_param_and_optimizer_states(opt, "model_param", loaded)
-    state = opt.optimizer.state[opt.param]
-    assert torch.equal(opt.param.data, loaded["param"])
-    assert torch.equal(state["exp_avg"], loaded["exp_avg"]) and torch.equal(state["exp_avg_sq"], loaded["exp_avg_sq"])
-    assert state["step"] is step and float(step) == 1
-    original = DistributedOptimizer._set_main_param_and_optimizer_states.__wrapped__
-    with pytest.raises(KeyError, match="step"), torch.no_grad():  # megatron-core 0.16.1 unpatched
-        original(opt, "model_param", loaded)
-
-
-def test_distributed_optimizer_load_gives_each_parameter_its_own_adam_step():
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-
-    def steps_after_load_and_one_step(load):
-        opt = _FakeDistOpt(stepped=True)
-        other = torch.nn.Parameter(torch.zeros(4))
-        opt.optimizer.add_param_group({"params": [other]})
-        other.grad = torch.ones(4)
-        opt.optimizer.step()
-        sd = opt.optimizer.state_dict()
-        shared = torch.tensor(2.0)  # megatron's non-TE load_state_dict: one step tensor for all states
-        for s in sd["state"].values():
-            s["step"] = shared
-        load(opt, sd)  # the fake takes megatron's FSDP branch: a plain torch load
-        steps = [opt.optimizer.state[p]["step"] for p in (opt.param, other)]
-        opt.param.grad, other.grad = torch.ones(4), torch.ones(4)
-        opt.optimizer.step()
-        return steps[0] is steps[1], [float(s) for s in steps]
-
-    assert steps_after_load_and_one_step(DistributedOptimizer.load_state_dict) == (False, [3, 3])
-    unpatched = DistributedOptimizer.load_state_dict.__wrapped__
-    assert steps_after_load_and_one_step(unpatched) == (True, [4, 4])  # one increment per parameter
 
 
 # --- intra-op threads of helper threads ------------------------------------------------------

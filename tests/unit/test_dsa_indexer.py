@@ -93,7 +93,7 @@ def _megatron_yarn(dim, theta, y):
     """megatron's own YarnRotaryEmbedding (the MLA rotary) for these settings."""
     from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import YarnRotaryEmbedding
 
-    from parallel import cpu_emulation
+    from parallel.megatron_compat import cpu_emulation
 
     if not torch.cuda.is_available():
         cpu_emulation.install()  # get_emb moves its frequencies to torch.cuda.current_device()

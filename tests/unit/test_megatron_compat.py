@@ -1,10 +1,16 @@
-"""One test per fix in ``parallel/megatron_compat``: each reproduces the upstream behaviour the
-fix changes, so a megatron-core upgrade shows which fix to re-check."""
+"""One test per fix in ``parallel/megatron_compat`` (the every-backend fixes; the CPU emulation's
+are in ``test_cpu_emulation.py``): each reproduces the upstream behaviour the fix changes, so a
+megatron-core upgrade shows which fix to re-check."""
 
 from __future__ import annotations
 
 import gc
+import os
+import queue
+import subprocess
+import sys
 import weakref
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -12,13 +18,53 @@ import torch
 from parallel import megatron_compat
 from parallel.megatron_compat import fixes
 
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-def test_install_refuses_another_megatron_core_version(monkeypatch):
+
+# --- install ------------------------------------------------------------------------------------
+
+
+def test_install_refuses_another_megatron_core_version_naming_the_files(monkeypatch):
     from megatron.core import package_info
 
+    from parallel.megatron_compat import distrib_optimizer, mtp
+
     monkeypatch.setattr(package_info, "__version__", "0.17.0")
-    with pytest.raises(RuntimeError, match=r"written for megatron-core 0\.16\.1, found 0\.17\.0"):
-        fixes._check_version()
+    monkeypatch.setattr(fixes, "_INSTALLED", False)
+    with pytest.raises(RuntimeError, match=r"written for megatron-core 0\.16\.1, found 0\.17\.0") as err:
+        megatron_compat.install()
+    for patched in (fixes, distrib_optimizer, mtp):
+        assert patched.__file__ in str(err.value)
+
+
+def test_install_outside_the_cpu_emulation_installs_every_backend_fix():
+    """What a GPU rank gets: ``megatron_compat.install()`` alone (a fresh interpreter in which the
+    CPU emulation is never installed) patches the distributed optimizer, MTP's rolls and the
+    checkpoint writer's queue."""
+    probe = """
+import queue
+from megatron.core.dist_checkpointing.strategies import filesystem_async
+from megatron.core.models.gpt import gpt_model
+from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+from megatron.core.transformer import multi_token_prediction
+from parallel import megatron_compat
+from parallel.megatron_compat import cpu_emulation, mtp
+assert filesystem_async._results_queue is None
+megatron_compat.install()
+assert not cpu_emulation.is_active()
+names = [DistributedOptimizer.load_state_dict.__code__.co_name,
+         DistributedOptimizer.sharded_state_dict.__code__.co_name,
+         DistributedOptimizer._set_main_param_and_optimizer_states.__code__.co_name]
+assert names == ["load_state_dict_with_own_steps", "sharded_state_dict_with_state",
+                 "set_states_keeping_step"], names
+assert gpt_model.roll_tensor is mtp.roll_with_sequence_count
+assert multi_token_prediction.roll_tensor is mtp.roll_within_documents
+assert type(filesystem_async._results_queue) is queue.Queue
+print("ok")
+"""
+    out = subprocess.run([sys.executable, "-W", "ignore", "-c", probe], cwd=REPO, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
 
 
 def _tiny_moe_model_after_one_step():
@@ -82,3 +128,201 @@ def test_moe_utils_te_general_gemm_is_none_and_router_gemm_falls_back():
     out = moe_utils.router_gating_linear(inp, weight, None, torch.float32)
     assert out.shape == (2, 3, 4)
     torch.testing.assert_close(out, inp @ weight.t())
+
+
+# --- distributed optimizer around torch's AdamW (no TE / Apex FusedAdam) -------------------------
+
+
+class _FakeDistOpt:
+    """The attributes of megatron's DistributedOptimizer that the patched methods use, around a
+    real torch AdamW with one (shard) parameter. ``fused_adam``: its state keeps no ``step``, as
+    TE's / Apex's FusedAdam (step in the param groups)."""
+
+    def __init__(self, stepped: bool, fused_adam: bool = False):
+        self.param = torch.nn.Parameter(torch.zeros(4))
+        self.optimizer = torch.optim.AdamW([self.param], lr=0.1)
+        if stepped:
+            self.param.grad = torch.ones(4)
+            self.optimizer.step()
+            if fused_adam:
+                self.optimizer.param_groups[0]["step"] = int(self.optimizer.state[self.param].pop("step"))
+        self.model_param_group_index_map = {"model_param": (0, 0)}
+        self.config = SimpleNamespace(use_precision_aware_optimizer_no_fp8_or_ds_fp8=False)
+        self.ddp_config = SimpleNamespace(use_megatron_fsdp=True)  # shortest path through the original
+        self.is_stub_optimizer = False
+        self.primed = False
+
+    def _init_optimizer_states_with_dummy_values(self):
+        self.primed = True
+        self.param.grad = torch.zeros(4)
+        self.optimizer.step()
+
+    def sharded_param_state_fsdp_dtensor(self, is_loading):
+        return {k: v.clone() for k, v in self.optimizer.state[self.param].items()}
+
+
+_FSDP_META = {"distrib_optim_sharding_type": "fsdp_dtensor"}
+
+
+def test_distributed_optimizer_loading_into_a_fresh_torch_adam_gets_placeholder_state():
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    megatron_compat.install()
+    fresh = _FakeDistOpt(stepped=False)
+    state = DistributedOptimizer.sharded_state_dict(fresh, {}, is_loading=True, metadata=_FSDP_META)
+    assert fresh.primed and set(state) == {"step", "exp_avg", "exp_avg_sq"}
+    stepped = _FakeDistOpt(stepped=True)
+    DistributedOptimizer.sharded_state_dict(stepped, {}, is_loading=True, metadata=_FSDP_META)
+    assert not stepped.primed  # existing state is left alone
+    saving = _FakeDistOpt(stepped=False)
+    assert DistributedOptimizer.sharded_state_dict(saving, {}, is_loading=False, metadata=_FSDP_META) == {}
+    assert not saving.primed
+
+
+def test_distributed_optimizer_state_load_keeps_torch_adam_step():
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    megatron_compat.install()
+    opt = _FakeDistOpt(stepped=True)
+    step = opt.optimizer.state[opt.param]["step"]
+    loaded = {"param": torch.full((4,), 2.0), "exp_avg": torch.full((4,), 3.0), "exp_avg_sq": torch.full((4,), 4.0)}
+    with torch.no_grad():  # as megatron's loaders call it
+        DistributedOptimizer._set_main_param_and_optimizer_states(opt, "model_param", loaded)
+    state = opt.optimizer.state[opt.param]
+    assert torch.equal(opt.param.data, loaded["param"])
+    assert torch.equal(state["exp_avg"], loaded["exp_avg"]) and torch.equal(state["exp_avg_sq"], loaded["exp_avg_sq"])
+    assert state["step"] is step and float(step) == 1
+    original = DistributedOptimizer._set_main_param_and_optimizer_states.__wrapped__
+    with pytest.raises(KeyError, match="step"), torch.no_grad():  # megatron-core 0.16.1 unpatched
+        original(opt, "model_param", loaded)
+
+
+def test_distributed_optimizer_fixes_leave_fused_adam_alone(monkeypatch):
+    """Under TE / Apex (FusedAdam: no per-parameter step) a fresh optimizer is not stepped with
+    placeholder gradients before a load, and state loads are megatron's own."""
+    from megatron.core.optimizer import distrib_optimizer
+
+    megatron_compat.install()
+    monkeypatch.setattr(distrib_optimizer, "HAVE_APEX_OR_TE", True)
+    fresh = _FakeDistOpt(stepped=False)
+    distrib_optimizer.DistributedOptimizer.sharded_state_dict(fresh, {}, is_loading=True, metadata=_FSDP_META)
+    assert not fresh.primed and not any(fresh.optimizer.state.values())
+    opt = _FakeDistOpt(stepped=True, fused_adam=True)
+    loaded = {"param": torch.full((4,), 2.0), "exp_avg": torch.full((4,), 3.0), "exp_avg_sq": torch.full((4,), 4.0)}
+    with torch.no_grad():
+        distrib_optimizer.DistributedOptimizer._set_main_param_and_optimizer_states(opt, "model_param", loaded)
+    assert set(opt.optimizer.state[opt.param]) == {"exp_avg", "exp_avg_sq"}
+    assert torch.equal(opt.optimizer.state[opt.param]["exp_avg_sq"], loaded["exp_avg_sq"])
+    stepless = _FakeDistOpt(stepped=False)  # torch's SGD keeps no step either
+    stepless.optimizer = torch.optim.SGD([stepless.param], lr=0.1, momentum=0.9)
+    stepless.param.grad = torch.ones(4)
+    stepless.optimizer.step()
+    momentum = stepless.optimizer.state[stepless.param]["momentum_buffer"].clone()
+    distrib_optimizer.DistributedOptimizer.load_state_dict(stepless, stepless.optimizer.state_dict())
+    assert set(stepless.optimizer.state[stepless.param]) == {"momentum_buffer"}
+    assert torch.equal(stepless.optimizer.state[stepless.param]["momentum_buffer"], momentum)
+
+
+def _distributed_adam_after_one_step():
+    """megatron's distributed optimizer (torch AdamW inside: no TE / Apex here) over a tiny GLM-5
+    under megatron DDP, after one step; its DistributedOptimizer(s)."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    from model_providers.glm5.config import GLM5Config, PrecisionConfig, to_transformer_config
+    from model_providers.glm5.provider import build_model_chunks
+    from parallel.config import ParallelConfig
+
+    cfg = GLM5Config()
+    tcfg = to_transformer_config(cfg, ParallelConfig(), PrecisionConfig())
+    (chunk,) = build_model_chunks(cfg, tcfg, "local")
+    ddp = DistributedDataParallel(config=tcfg, module=chunk,
+                                  ddp_config=DistributedDataParallelConfig(use_distributed_optimizer=True))
+    optimizer = get_megatron_optimizer(OptimizerConfig(lr=1e-3, use_distributed_optimizer=True), [ddp])
+    tokens = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    positions = torch.arange(16).expand(2, 16)
+    ddp(tokens, positions, None, labels=tokens, loss_mask=torch.ones(2, 16)).sum().backward()
+    ddp.finish_grad_sync()
+    assert optimizer.step()[0]
+    return getattr(optimizer, "chained_optimizers", [optimizer])
+
+
+def _steps_after_load_and_one_step(opt, load) -> list:
+    load(opt, opt.state_dict())
+    steps = [state["step"] for state in opt.optimizer.state.values()]
+    assert len(steps) > 1
+    shared = len({id(s) for s in steps}) == 1
+    for p in (p for g in opt.optimizer.param_groups for p in g["params"]):
+        p.grad = torch.zeros_like(p)
+    opt.optimizer.step()
+    return shared, sorted({float(s) for s in steps})
+
+
+def test_distributed_optimizer_load_gives_each_parameter_its_own_adam_step(one_rank):
+    """megatron's load_state_dict (torch AdamW) restores one step tensor for every parameter's
+    state; each parameter's update then increments it: after one step past a load it read
+    1 + (parameters) instead of 2."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    opt = _distributed_adam_after_one_step()[0]
+    assert isinstance(opt, DistributedOptimizer) and isinstance(opt.optimizer, torch.optim.AdamW)
+    assert _steps_after_load_and_one_step(opt, DistributedOptimizer.load_state_dict) == (False, [2.0])
+    n = len(opt.optimizer.state)
+    unpatched = DistributedOptimizer.load_state_dict.__wrapped__
+    assert _steps_after_load_and_one_step(opt, unpatched) == (True, [2.0 + n])
+
+
+# --- MTP rolls ----------------------------------------------------------------------------------
+
+
+def test_mtp_loss_count_of_a_depth_without_loss_tokens_is_one_not_zero():
+    """megatron divides a depth's summed MTP loss by this count: 0 gave 0/0 = NaN."""
+    from megatron.core.models.gpt import gpt_model
+
+    from parallel.megatron_compat import mtp
+
+    megatron_compat.install()
+    mask = torch.zeros(2, 6)
+    _, upstream = mtp._UPSTREAM_ROLL[0](mask, shifts=-1, dims=-1)
+    assert float(upstream) == 0
+    rolled, count = gpt_model.roll_tensor(mask, shifts=-1, dims=-1)
+    assert float(count) == 1 and torch.equal(rolled, mask)
+    _, count = gpt_model.roll_tensor(torch.ones(2, 6), shifts=-1, dims=-1)
+    assert float(count) == 10  # megatron's own count where there are loss tokens
+
+
+def test_mtp_rolls_stop_at_document_boundaries(one_rank):
+    from megatron.core.transformer import multi_token_prediction
+
+    megatron_compat.install()
+    ids = torch.tensor([[0, 0, 0, 1, 1], [0, 1, 1, 1, 2]])
+    tokens = torch.arange(1.0, 11.0).reshape(2, 5)
+    crossing, _ = multi_token_prediction.roll_tensor(tokens, shifts=-1, dims=-1)
+    assert crossing.tolist() == [[2, 3, 4, 5, 0], [7, 8, 9, 10, 0]]
+    with megatron_compat.document_boundaries(ids):
+        inside, _ = multi_token_prediction.roll_tensor(tokens, shifts=-1, dims=-1)
+        _, count = multi_token_prediction.roll_tensor(torch.ones(2, 5), shifts=-1, dims=-1)
+    assert inside.tolist() == [[2, 3, 0, 5, 0], [0, 8, 9, 0, 0]]
+    assert float(count) == 5
+
+
+def test_mtp_block_class_must_add_no_state():
+    from megatron.core.transformer.multi_token_prediction import MultiTokenPredictionBlock
+
+    class WithState(MultiTokenPredictionBlock):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+
+    with pytest.raises(TypeError, match="WithState must subclass MultiTokenPredictionBlock without"):
+        megatron_compat.set_mtp_block_class(SimpleNamespace(mtp=None), WithState)
+    with pytest.raises(TypeError, match="not the MultiTokenPredictionBlock"):
+        megatron_compat.set_mtp_block_class(SimpleNamespace(mtp=torch.nn.Linear(1, 1)),
+                                            type("Shared", (MultiTokenPredictionBlock,), {}))
+
+
+def test_checkpoint_write_results_use_an_in_process_queue():
+    """Without the fix megatron's first save starts a spawned Manager process for this queue."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    megatron_compat.install()
+    assert type(filesystem_async._get_write_results_queue()) is queue.Queue

@@ -3,19 +3,12 @@
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch.distributed as dist
 
 CONF = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "conf"))
 QK, ROPE, V = 24, 8, 32  # the tiny model's MLA head dims
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +21,7 @@ def tiny_chunks():
     from parallel.config import ParallelConfig
     from parallel.initialize import DistEnv, initialize
 
-    initialize(ParallelConfig(), seed=1, env=DistEnv(0, 1, 0, "127.0.0.1", _free_port(), "single"))
+    initialize(ParallelConfig(), seed=1, env=DistEnv.one_process())
     cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(GLM5Config),
                                               OmegaConf.load(os.path.join(CONF, "model", "glm5_tiny.yaml"))))
     yield build_model_chunks(cfg, to_transformer_config(cfg, ParallelConfig(), PrecisionConfig()), "local")

@@ -1,6 +1,6 @@
-"""The strict CUDA emulation's mechanism, op by op (``parallel/strict_cuda.py``): residency
-follows storages through ops, views and moves; mixes raise CUDA's message; host syncs are counted;
-collectives on NCCL-like groups refuse host tensors. Training runs under it are in
+"""The strict CUDA emulation's mechanism, op by op (``parallel/megatron_compat/strict_cuda.py``):
+residency follows storages through ops, views and moves; mixes raise CUDA's message; host syncs
+are counted; collectives on NCCL-like groups refuse host tensors. Training runs under it are in
 ``tests/distributed/test_strict_emulation.py``."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from parallel import cpu_emulation, strict_cuda
+from parallel.megatron_compat import cpu_emulation, strict_cuda
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU emulation is for CUDA-less hosts")
 

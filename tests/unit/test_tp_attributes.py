@@ -13,7 +13,6 @@ classes themselves are checked through stand-ins with their qualified names.
 from __future__ import annotations
 
 import json
-import socket
 import zlib
 from pathlib import Path
 
@@ -21,6 +20,7 @@ import pytest
 import torch
 
 from model_providers.glm5.tp_attributes import layout_of, normalize_tp_attributes
+from parallel.initialize import free_port
 
 TE = "megatron.core.extensions.transformer_engine"
 DOWN_PROJS = ("linear_q_down_proj.weight", "linear_kv_down_proj.weight")
@@ -183,12 +183,6 @@ def test_only_linear_layers_have_a_layout():
 # --- two ranks: Muon's split and update, megatron's grad norm ----------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _muon_view(chunks, grads: dict, weights: dict) -> tuple[dict, dict]:
     """Muon's spec per matrix (gathered?, dimension, head blocks) and its update from ``weights``
     with gradients ``grads`` (one step, fresh momentum); the weights are restored."""
@@ -270,7 +264,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
 @pytest.fixture(scope="module")
 def two_rank_views(tmp_path_factory):
     out = tmp_path_factory.mktemp("tp_attributes")
-    torch.multiprocessing.spawn(_worker, args=(_free_port(), str(out)), nprocs=2, join=True)
+    torch.multiprocessing.spawn(_worker, args=(free_port(), str(out)), nprocs=2, join=True)
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
 
 

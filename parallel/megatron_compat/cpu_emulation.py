@@ -1,9 +1,9 @@
 """Run megatron-core 0.16.1's real parallel code on CPU ranks (gloo).
 
 megatron-core assumes CUDA everywhere. Everything that makes it run without CUDA lives here, one
-patch per behaviour (see ../shared/MEGATRON_ON_CPU.md), and is installed only when CUDA is
-absent. Each patch has its own test in ``tests/unit/test_cpu_emulation.py`` so a megatron-core
-upgrade shows exactly which one broke.
+patch per behaviour (see MEGATRON_ON_CPU.md in the shared notes), and is installed only when CUDA is
+absent (fixes that hold on GPUs too are in ``fixes.py``). Each patch has its own test in
+``tests/unit/test_cpu_emulation.py`` so a megatron-core upgrade shows exactly which one broke.
 """
 
 from __future__ import annotations
@@ -14,6 +14,8 @@ import functools
 import torch
 import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
+
+from parallel.megatron_compat.version import check_megatron_core
 
 _CPU = torch.device("cpu")
 _INSTALLED = False
@@ -47,12 +49,12 @@ class CudaDeviceToCpuMode(TorchFunctionMode):
         "torch.BFloat16Tensor": "torch.cuda.BFloat16Tensor",
     }
 
-    strict = False  #: strict CUDA emulation (parallel.strict_cuda) on top of the rewriting
+    strict = False  #: strict CUDA emulation (:mod:`.strict_cuda`) on top of the rewriting
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if self.strict:
-            from parallel import strict_cuda
+            from parallel.megatron_compat import strict_cuda
 
             return strict_cuda.handle_function(func, args, kwargs,
                                                lambda a, k: self._rewritten(func, a, k))
@@ -76,7 +78,7 @@ class CudaDeviceToCpuMode(TorchFunctionMode):
         """Plain mode: every tensor is on the (emulated) device; strict mode tracks it."""
         if not self.strict:
             return True
-        from parallel import strict_cuda
+        from parallel.megatron_compat import strict_cuda
 
         return strict_cuda.on_device(t)
 
@@ -108,7 +110,7 @@ class _NullStream:
 
 def _count_strict_sync(*args, **kwargs) -> None:
     """Under strict emulation a wait for the device is a host sync (counted, not raised)."""
-    from parallel import strict_cuda
+    from parallel.megatron_compat import strict_cuda
 
     if strict_cuda.is_active():
         strict_cuda._count_sync()
@@ -220,59 +222,6 @@ def _patch_cuda_rng() -> None:
     )
 
 
-def _patch_distributed_optimizer_for_torch_adam() -> None:
-    """Without Transformer Engine / Apex, megatron's distributed optimizer steps torch's AdamW
-    (which keeps a per-parameter ``step`` tensor in its state) but its checkpoint code is written
-    for their FusedAdam (step in the param groups), in two places:
-
-    - ``sharded_state_dict(is_loading=True)`` on a freshly built optimizer asserts one common
-      step among state tensors that do not exist yet: give it placeholder state first (what
-      Megatron-LM's own checkpoint loader does); the load overwrites all of it.
-    - the fully reshardable loader copies every state key from the checkpoint tensors, which
-      never hold ``step`` (``load_state_dict`` already restored it from the param groups).
-    - ``load_state_dict`` restores that step as ONE tensor shared by every parameter's state;
-      torch's AdamW increments each parameter's step in place, so after a resume the shared
-      step advanced once per parameter per iteration (wrong bias correction): give each
-      parameter its own copy.
-    """
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-
-    sharded_state_dict = DistributedOptimizer.sharded_state_dict
-    set_states = DistributedOptimizer._set_main_param_and_optimizer_states
-
-    @functools.wraps(sharded_state_dict)
-    def sharded_state_dict_with_state(self, model_sharded_state_dict=None, is_loading=False, *a, **k):
-        if is_loading and not self.is_stub_optimizer and not self.optimizer.state:
-            self._init_optimizer_states_with_dummy_values()
-        return sharded_state_dict(self, model_sharded_state_dict or {}, is_loading, *a, **k)
-
-    @functools.wraps(set_states)
-    def set_states_keeping_step(self, model_param, tensors):
-        if "step" in tensors or self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
-            return set_states(self, model_param, tensors)
-        group_index, group_order = self.model_param_group_index_map[model_param]
-        state = self.optimizer.state[self.optimizer.param_groups[group_index]["params"][group_order]]
-        step = state.pop("step", None)
-        try:
-            return set_states(self, model_param, tensors)
-        finally:
-            if step is not None:
-                state["step"] = step
-
-    load_state_dict = DistributedOptimizer.load_state_dict
-
-    @functools.wraps(load_state_dict)
-    def load_state_dict_with_own_steps(self, state_dict):
-        load_state_dict(self, state_dict)
-        for state in self.optimizer.state.values():
-            if torch.is_tensor(state.get("step")):
-                state["step"] = state["step"].clone()
-
-    DistributedOptimizer.sharded_state_dict = sharded_state_dict_with_state
-    DistributedOptimizer.load_state_dict = load_state_dict_with_own_steps
-    DistributedOptimizer._set_main_param_and_optimizer_states = set_states_keeping_step
-
-
 def _single_threaded_helper_threads() -> None:
     """Keep the intra-op thread count for the calling (training) thread, and make every thread
     started later -- gloo's per-group work threads above all -- run torch ops on one thread.
@@ -296,7 +245,7 @@ def _single_threaded_helper_threads() -> None:
 
 def install(strict: bool = False) -> bool:
     """Install every patch once, when CUDA is unavailable. Returns whether emulation is active.
-    ``strict``: also track device residency and fail where CUDA would (:mod:`parallel.strict_cuda`);
+    ``strict``: also track device residency and fail where CUDA would (:mod:`.strict_cuda`);
     can be switched on after a plain install, not off (one-process tests: :func:`strict_mode`)."""
     global _INSTALLED, _MODE
     if torch.cuda.is_available():
@@ -305,9 +254,9 @@ def install(strict: bool = False) -> bool:
         if strict:
             _enable_strict()
         return True
+    check_megatron_core(__file__)
     _patch_cuda_runtime()
     _patch_cuda_rng()
-    _patch_distributed_optimizer_for_torch_adam()
     _device_mode_in_backward()
     dist.all_to_all_single = _all_to_all_single_with_list_splits(dist.all_to_all_single)
     dist.all_gather = _all_gather_uneven(dist.all_gather)
@@ -321,7 +270,7 @@ def install(strict: bool = False) -> bool:
 
 
 def _enable_strict() -> None:
-    from parallel import strict_cuda
+    from parallel.megatron_compat import strict_cuda
 
     strict_cuda.install()
     _MODE.strict = True
@@ -331,7 +280,7 @@ def _enable_strict() -> None:
 def strict_mode():
     """Strict CUDA emulation for a block (one-process tests); training runs switch it on for the
     whole process with ``parallel.cpu_emulation=strict``."""
-    from parallel import strict_cuda
+    from parallel.megatron_compat import strict_cuda
 
     install()
     was = strict_cuda.is_active()

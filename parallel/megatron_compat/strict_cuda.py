@@ -161,8 +161,8 @@ class DeviceResidencyMode(TorchDispatchMode):
 
 
 def handle_function(func, args, kwargs, call):
-    """The torch-function half, called by :class:`parallel.cpu_emulation.CudaDeviceToCpuMode` in
-    strict mode (``call(args, kwargs)`` runs its rewritten call): what is created for CUDA becomes
+    """The torch-function half, called by :class:`.cpu_emulation.CudaDeviceToCpuMode` in strict
+    mode (``call(args, kwargs)`` runs its rewritten call): what is created for CUDA becomes
     a device tensor, moves copy, host syncs at the Python level are counted."""
     if func is torch.Tensor.cuda:
         t = args[0]

@@ -1,0 +1,84 @@
+"""megatron-core's ``DistributedOptimizer`` around an inner torch optimizer that keeps a
+per-parameter ``step`` tensor (torch's Adam/AdamW, and Muon Split, which keeps AdamW's state).
+
+megatron steps torch's AdamW whenever neither Transformer Engine nor Apex is importable
+(``distrib_optimizer.HAVE_APEX_OR_TE`` False) -- on GPUs as on CPUs -- but its checkpoint code is
+written for their FusedAdam, which keeps the step in the param groups. Each patch below changes
+one upstream method and is a no-op under FusedAdam (no ``step`` in the per-parameter state).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+
+def _placeholder_state_before_sharded_load() -> None:
+    """``DistributedOptimizer.sharded_state_dict(is_loading=True)`` on a freshly built optimizer
+    calls ``state_dict()``, which -- without TE/Apex -- asserts one common ``step`` among state
+    tensors that do not exist yet. Give it placeholder state first (what Megatron-LM's own loader
+    does); the load overwrites all of it. With TE/Apex megatron allocates the placeholders itself
+    (``load_state_dict``), so nothing is done there: no extra optimizer step on a fresh model."""
+    from megatron.core.optimizer import distrib_optimizer
+
+    sharded_state_dict = distrib_optimizer.DistributedOptimizer.sharded_state_dict
+
+    @functools.wraps(sharded_state_dict)
+    def sharded_state_dict_with_state(self, model_sharded_state_dict=None, is_loading=False, *a, **k):
+        if (is_loading and not distrib_optimizer.HAVE_APEX_OR_TE and not self.is_stub_optimizer
+                and not self.optimizer.state):
+            self._init_optimizer_states_with_dummy_values()
+        return sharded_state_dict(self, model_sharded_state_dict or {}, is_loading, *a, **k)
+
+    distrib_optimizer.DistributedOptimizer.sharded_state_dict = sharded_state_dict_with_state
+
+
+def _set_states_keeping_step() -> None:
+    """``DistributedOptimizer._set_main_param_and_optimizer_states`` copies every key of the
+    parameter's optimizer state from the loaded tensors, which never hold ``step`` (the fully
+    reshardable loader skips it; ``load_state_dict`` already restored it): KeyError. Copy the
+    other keys and keep the restored step."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    set_states = DistributedOptimizer._set_main_param_and_optimizer_states
+
+    @functools.wraps(set_states)
+    def set_states_keeping_step(self, model_param, tensors):
+        if "step" in tensors or self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
+            return set_states(self, model_param, tensors)
+        group_index, group_order = self.model_param_group_index_map[model_param]
+        state = self.optimizer.state[self.optimizer.param_groups[group_index]["params"][group_order]]
+        step = state.pop("step", None)
+        try:
+            return set_states(self, model_param, tensors)
+        finally:
+            if step is not None:
+                state["step"] = step
+
+    DistributedOptimizer._set_main_param_and_optimizer_states = set_states_keeping_step
+
+
+def _own_step_per_parameter_after_load() -> None:
+    """``DistributedOptimizer.load_state_dict`` (without TE/Apex) restores the step as ONE tensor
+    shared by every parameter's state; torch's AdamW increments each parameter's step in place,
+    so after a resume the shared step advanced once per parameter per iteration and Adam's bias
+    correction ran ahead. Give each parameter its own copy."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    load_state_dict = DistributedOptimizer.load_state_dict
+
+    @functools.wraps(load_state_dict)
+    def load_state_dict_with_own_steps(self, state_dict):
+        load_state_dict(self, state_dict)
+        for state in self.optimizer.state.values():
+            if torch.is_tensor(state.get("step")):
+                state["step"] = state["step"].clone()
+
+    DistributedOptimizer.load_state_dict = load_state_dict_with_own_steps
+
+
+def install() -> None:
+    _placeholder_state_before_sharded_load()
+    _set_states_keeping_step()
+    _own_step_per_parameter_after_load()

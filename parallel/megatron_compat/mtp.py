@@ -1,0 +1,114 @@
+"""megatron-core's multi-token prediction: the shifts of packed documents, the per-depth loss
+count, and the one place a model changes the MTP block megatron built.
+
+``GPTModel`` shifts each depth's labels and loss mask, and ``MultiTokenPredictionLayer`` each
+depth's input ids and positions, with ``multi_token_prediction.roll_tensor`` (``gpt_model``
+imports its own reference). :func:`install` rebinds both references to the functions below.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+#: [b, s_local] bool of the micro-batch the model is running: token t and token t + 1 are in the
+#: same document (None: one document per sample)
+_NEXT_IN_DOCUMENT: list = [None]
+#: megatron's own roll_tensor, captured by :func:`install`
+_UPSTREAM_ROLL: list = [None]
+
+
+@contextlib.contextmanager
+def document_boundaries(document_ids):
+    """Within this block the MTP rolls stay inside documents (``document_ids`` [b, L], the whole
+    sequence's ids as the attention receives them, or None).
+
+    megatron-core 0.16.1 keeps MTP inside documents only for THD ``packed_seq_params``; with
+    document ids in the attention-mask slot its rolls carry the next document's tokens, labels
+    and loss mask into the end of each document, so depth d at the last d tokens of a document
+    was trained to predict the next document from the wrong context. Here every roll is followed
+    by zeroing the positions whose successor starts another document -- what megatron's packed
+    roll does per sequence -- so inputs, labels and loss mask of a packed sample equal those of
+    its documents run one by one (context parallel ranks pick their zigzag positions)."""
+    from parallel.context_parallel import cp_size, local_positions
+
+    before = _NEXT_IN_DOCUMENT[0]
+    keep = None
+    if document_ids is not None:
+        keep = torch.zeros_like(document_ids, dtype=torch.bool)
+        keep[:, :-1] = document_ids[:, 1:] == document_ids[:, :-1]
+        pos = local_positions(document_ids.shape[1] // cp_size(), device=document_ids.device)
+        keep = keep if pos is None else keep[:, pos]
+    _NEXT_IN_DOCUMENT[0] = keep
+    try:
+        yield
+    finally:
+        _NEXT_IN_DOCUMENT[0] = before
+
+
+def roll_within_documents(tensor, shifts=-1, dims=-1, cp_group=None, packed_seq_params=None):
+    """megatron's ``roll_tensor``, then zero where the next token is in another document (inside
+    :func:`document_boundaries`); the count is the kept positions'."""
+    rolled, count = _UPSTREAM_ROLL[0](tensor, shifts=shifts, dims=dims, cp_group=cp_group,
+                                      packed_seq_params=packed_seq_params)
+    keep = _NEXT_IN_DOCUMENT[0]
+    if keep is None or packed_seq_params is not None:
+        return rolled, count
+    assert shifts == -1 and rolled.shape == keep.shape, (shifts, rolled.shape, keep.shape)
+    rolled = rolled * keep.to(rolled.dtype)
+    return rolled, rolled.sum()
+
+
+def roll_with_sequence_count(tensor, shifts=-1, dims=-1, cp_group=None, packed_seq_params=None):
+    """megatron-core 0.16.1's GPTModel divides each MTP depth's loss by the count this returns
+    for the rolled loss mask. Two fixes to that count (on top of :func:`roll_within_documents`):
+
+    - a micro-batch with no loss token at a depth (e.g. a long masked tool result in agent data)
+      gives 0/0 = NaN and poisons every weight: the count is clamped to >= 1, as megatron's
+      schedule does for the main loss (the micro-batch then adds zero MTP loss);
+    - under context parallelism megatron returns this rank's count, so the CP-averaged loss is a
+      mean of per-rank means, not the sequence mean: the count becomes the sequence's / cp,
+      which makes the CP average exactly the one-rank mean (gradient and logged loss).
+    """
+    rolled, count = roll_within_documents(tensor, shifts=shifts, dims=dims, cp_group=cp_group,
+                                          packed_seq_params=packed_seq_params)
+    if not torch.is_tensor(count):
+        return rolled, max(count, 1)
+    cp = cp_group.size() if cp_group is not None and packed_seq_params is None else 1
+    if cp > 1:
+        count = count.detach().clone()
+        torch.distributed.all_reduce(count, group=cp_group)
+    return rolled, count.clamp(min=1) / cp if cp > 1 else count.clamp(min=1)
+
+
+def install() -> None:
+    """Rebind megatron's two ``roll_tensor`` references: GPTModel's (labels and loss mask of
+    each depth) and the MTP layer's (each depth's input ids and positions)."""
+    from megatron.core.models.gpt import gpt_model
+    from megatron.core.transformer import multi_token_prediction
+
+    if _UPSTREAM_ROLL[0] is None:
+        _UPSTREAM_ROLL[0] = multi_token_prediction.roll_tensor
+    gpt_model.roll_tensor = roll_with_sequence_count
+    multi_token_prediction.roll_tensor = roll_within_documents
+
+
+def set_mtp_block_class(model, block_class) -> None:
+    """Give the MTP block ``GPTModel`` built another forward.
+
+    megatron-core 0.16.1 has no extension point for the block: ``GPTModel.__init__`` constructs
+    ``MultiTokenPredictionBlock`` by name (its ``mtp_block_spec`` contributes only the layer
+    specs; a ``ModuleSpec`` naming a subclass is accepted and its module ignored). Building a
+    second block would allocate its layer twice and draw other initial weights, so the built
+    block's class is switched instead. ``block_class`` must subclass megatron's block and add no
+    state (no ``__init__``): parameters, buffers and checkpoint keys stay megatron's."""
+    from megatron.core.transformer.multi_token_prediction import MultiTokenPredictionBlock
+
+    if not issubclass(block_class, MultiTokenPredictionBlock) or "__init__" in vars(block_class):
+        raise TypeError(f"{block_class.__name__} must subclass MultiTokenPredictionBlock without "
+                        "its own __init__ (it takes over a block megatron already built)")
+    if type(model.mtp) is not MultiTokenPredictionBlock:
+        raise TypeError(f"model.mtp is a {type(model.mtp).__name__}, not the "
+                        "MultiTokenPredictionBlock megatron-core 0.16.1's GPTModel builds")
+    model.mtp.__class__ = block_class
