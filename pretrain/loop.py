@@ -17,23 +17,20 @@ from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelpe
 from data_pipeline.batches import micro_batches
 from model_providers.glm5.dsa.attention import KL_TRACKER
 from parallel.context_parallel import batch_on_this_cp_rank
-from parallel import strict_cuda
+from parallel.megatron_compat import strict_cuda
 from parallel.device import current_device, to_device
 from pretrain.faults import step_is_finite
 
 
-def lm_loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor, poison: bool = False):
+def lm_loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
     """Token-summed LM loss; megatron's schedule divides by tokens and micro-batches.
 
     Under context parallelism each rank holds part of the tokens and DDP averages gradients over
     the CP group: the divisor is the whole sequence's token count and the sum is scaled by cp,
-    so the averaged gradient is the one-rank gradient (the reported sums stay local).
-    ``poison`` (test hook, ``faults.poison_loss_at_steps``) makes it NaN."""
+    so the averaged gradient is the one-rank gradient (the reported sums stay local)."""
     losses = output_tensor.float()
     mask = loss_mask.float()
     loss_sum = torch.sum(losses * mask)
-    if poison:
-        loss_sum = loss_sum * float("nan")
     report = torch.stack([loss_sum.detach(), mask.sum()])
     num_tokens = mask.sum()
     cp = parallel_state.get_context_parallel_world_size()
@@ -53,7 +50,7 @@ def document_mask(document_ids: torch.Tensor | None) -> torch.Tensor | None:
     return document_ids
 
 
-def forward_step(data_iterator, model, poison: bool = False):
+def forward_step(data_iterator, model):
     host = next(data_iterator)
     documents = document_mask(host.get("document_ids"))
     batch = batch_on_this_cp_rank(to_device(host))
@@ -64,7 +61,7 @@ def forward_step(data_iterator, model, poison: bool = False):
         labels=batch["labels"],
         loss_mask=batch["loss_mask"],
     )
-    return output, partial(lm_loss_func, batch["loss_mask"], poison=poison)
+    return output, partial(lm_loss_func, batch["loss_mask"])
 
 
 @dataclass
@@ -118,9 +115,9 @@ def _reporting_rank() -> bool:
 
 
 def train_step(ddp_chunks, optimizer, scheduler, dataset, consumed_samples: int, trainer_cfg,
-               probe: LoadImbalanceProbe, mtp_steps: int, poison: bool = False) -> StepStats:
+               probe: LoadImbalanceProbe, mtp_steps: int) -> StepStats:
     """One optimizer step over a global batch. A step whose loss or gradients are non-finite on
-    any rank is not applied (``skipped``); ``poison`` is the NaN test hook."""
+    any rank is not applied (``skipped``)."""
     t0 = time.perf_counter()
     if strict_cuda.is_active():
         strict_cuda.take_host_syncs()  # count this step's only
@@ -134,7 +131,7 @@ def train_step(ddp_chunks, optimizer, scheduler, dataset, consumed_samples: int,
     optimizer.zero_grad()
     expert_bias = [r.expert_bias.detach().clone() for r in probe.routers]
     losses = get_forward_backward_func()(
-        forward_step_func=partial(forward_step, poison=poison),
+        forward_step_func=forward_step,
         data_iterator=iters if len(iters) > 1 else iters[0],
         model=ddp_chunks,
         num_microbatches=len(batches),

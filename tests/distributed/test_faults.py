@@ -1,7 +1,8 @@
 """Fault tolerance in real training runs (tiny GLM-5, fp32, one process):
 
-- a poisoned (NaN) step is skipped and logged: nothing is applied (weights and Adam state after
-  it are bit-identical to before it), the LR schedule does not advance, training goes on;
+- a step whose loss is NaN (injected from outside by :mod:`tests.distributed.nan_injection`) is
+  skipped and logged: nothing is applied (weights and Adam state after it are bit-identical to
+  before it), the LR schedule does not advance, training goes on;
 - N bad steps in a row reload the last checkpoint: the state saved right after the reload is
   bit-identical to that checkpoint and the LR schedule continues from it;
 - a truncated file in the newest checkpoint is detected and the run resumes, with a warning, from
@@ -14,15 +15,17 @@ import subprocess
 import pytest
 import torch
 
+from tests.distributed import nan_injection
 from tests.launch import QUIET, REPO, checkpoint_tensors, read_metrics, train_command, train_env
 
 COMMON = ["trainer.global_batch_size=8", "trainer.micro_batch_size=4", "trainer.seq_length=64",
           "checkpoint.keep_last=0", "logger.progress_bar=false"]
 
 
-def _train(overrides) -> str:
-    proc = subprocess.run(train_command([*QUIET, *COMMON, *overrides]), cwd=REPO, env=train_env(1),
-                          capture_output=True, text=True, timeout=600)
+def _train(overrides, nan_at_steps) -> str:
+    """One-process run whose losses at ``nan_at_steps`` are NaN."""
+    proc = subprocess.run(nan_injection.command(nan_at_steps, [*QUIET, *COMMON, *overrides]), cwd=REPO,
+                          env=train_env(1), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
     return proc.stdout + proc.stderr
 
@@ -35,10 +38,9 @@ def _same_state(tmp_path, a, b) -> bool:
 
 @pytest.fixture(scope="module")
 def skipped_run(tmp_path_factory):
-    """3 steps, step 2 poisoned, a checkpoint after every step."""
+    """3 steps, step 2's loss NaN, a checkpoint after every step."""
     run_dir = tmp_path_factory.mktemp("nan") / "run"
-    _train([f"trainer.run_dir={run_dir}", "trainer.steps=3", "checkpoint.save_every=1",
-            "faults.poison_loss_at_steps=[2]"])
+    _train([f"trainer.run_dir={run_dir}", "trainer.steps=3", "checkpoint.save_every=1"], [2])
     return run_dir
 
 
@@ -61,10 +63,9 @@ def test_truncated_checkpoint_falls_back_to_previous(skipped_run):
     newest = skipped_run / "checkpoints" / "iter_0000003"
     shard = sorted(newest.glob("*.distcp"))[0]
     shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
-    out = _train([f"trainer.run_dir={skipped_run}", "trainer.steps=3", "checkpoint.save_every=1",
-                  "faults.poison_loss_at_steps=[2]"])
-    assert (f"checkpoint fallback to {skipped_run / 'checkpoints' / 'iter_0000002'}: iter_0000003: "
-            f"{shard.name} has") in out, out[-3000:]
+    out = _train([f"trainer.run_dir={skipped_run}", "trainer.steps=3", "checkpoint.save_every=1"], [2])
+    assert (f"resuming from {skipped_run / 'checkpoints' / 'iter_0000002'}, the newest complete "
+            f"checkpoint: iter_0000003: {shard.name} has") in out, out[-3000:]
     after = read_metrics(str(skipped_run))
     assert after[2]["loss"] == before[2]["loss"] and after[2]["grad_norm"] == before[2]["grad_norm"]
     lines = (skipped_run / "metrics.jsonl").read_text().splitlines()
@@ -78,7 +79,7 @@ def test_bad_steps_in_a_row_reload_last_checkpoint(tmp_path):
     iter_3 at step 6 (undoing step 4), then save iter_6, then step 7 from there."""
     run_dir = tmp_path / "run"
     out = _train([f"trainer.run_dir={run_dir}", "trainer.steps=7", "checkpoint.save_every=3",
-                  "faults.poison_loss_at_steps=[2,5,6]", "faults.reload_after_bad_steps=2"])
+                  "faults.reload_after_bad_steps=2"], [2, 5, 6])
     ckpts = run_dir / "checkpoints"
     assert f"step 6: non-finite steps in a row; reloaded {ckpts / 'iter_0000003'}" in out, out[-3000:]
     m = read_metrics(str(run_dir))

@@ -1,14 +1,16 @@
 """The DSA core attention inside megatron's MLA, sparse mode: its output equals per-head softmax
 attention restricted to the indexer's top-k keys (a plain masked reference built from the same
-layer's q/k/v), with top-k well below the sequence length."""
+layer's q/k/v), with top-k well below the sequence length. The MLA intermediates it reads reach it
+through megatron's selective recomputation of the core attention, one micro-batch's each."""
 
 import pytest
 import torch
 
 from model_providers.glm5.config import DSAConfig
+from tests.unit.dsa_probe import TopkProbe
 
 
-def _layer(mode, topk):
+def _layer(mode, topk, **recompute):
     from megatron.core.transformer.spec_utils import build_module
     from megatron.core.transformer.transformer_config import MLATransformerConfig
 
@@ -19,7 +21,7 @@ def _layer(mode, topk):
         qk_head_dim=16, qk_pos_emb_head_dim=8, v_head_dim=12, rope_type="rope",
         rotary_scaling_factor=1.0, normalization="RMSNorm", qk_layernorm=True, add_bias_linear=False,
         apply_rope_fusion=False, masked_softmax_fusion=False, gradient_accumulation_fusion=False,
-        bias_dropout_fusion=False, use_cpu_initialization=True, init_method_std=0.2)
+        bias_dropout_fusion=False, use_cpu_initialization=True, init_method_std=0.2, **recompute)
     dsa = DSAConfig(mode=mode, index_heads=2, index_head_dim=16, topk=topk, query_chunk=7)
     return build_module(_local_layer_spec(None, dsa).submodules.self_attention, config=cfg, layer_number=1)
 
@@ -31,11 +33,12 @@ def test_sparse_layer_equals_masked_per_head_reference(one_rank):
     core = layer.core_attention
     core.register_forward_pre_hook(lambda m, args: captured.update(q=args[0], k=args[1], v=args[2]))
     x = torch.randn(40, 1, 64)
-    out, _ = layer(x, attention_mask=None)
+    with TopkProbe(layer) as probe:
+        out, _ = layer(x, attention_mask=None)
 
     q, k, v = captured["q"], captured["k"], captured["v"]  # [s, b, n, d]
     s = q.shape[0]
-    idx, valid = core.last_topk  # for queries 10..39 (earlier ones see every causal key)
+    idx, valid = probe.latest[core]  # for queries 10..39 (earlier ones see every causal key)
     allowed = torch.ones(s, s, dtype=torch.bool).tril()
     sparse_rows = torch.zeros(s - 10, s, dtype=torch.bool).scatter_(1, idx[0], valid[0])
     allowed[10:] = sparse_rows
@@ -55,3 +58,46 @@ def test_sparse_layer_with_topk_at_least_length_equals_dense(one_rank):
     out_dense, _ = dense(x, attention_mask=None)
     out_sparse, _ = sparse(x, attention_mask=None)
     assert torch.allclose(out_sparse, out_dense, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("mode", ["warmup", "sparse"])
+def test_core_attention_recompute_uses_each_micro_batch_intermediates(one_rank, mode):
+    """Two micro-batches forward, then both backward (as a pipeline schedule interleaves them):
+    with the core attention recomputed in backward, every gradient (the main model's through the
+    kv latent and up-projection, the indexer's through the KL) equals the plain layer's."""
+    torch.manual_seed(2)
+    plain = _layer(mode, topk=10)
+    recomputed = _layer(mode, topk=10, recompute_granularity="selective", recompute_modules=["core_attn"])
+    recomputed.load_state_dict(plain.state_dict())
+    assert recomputed.checkpoint_core_attention and not plain.checkpoint_core_attention
+    xs = [torch.randn(40, 1, 64), torch.randn(40, 1, 64)]
+    grads = []
+    for layer in (plain, recomputed):
+        inputs = [x.clone().requires_grad_() for x in xs]
+        outs = [layer(x, attention_mask=None)[0] for x in inputs]
+        for out in outs:
+            out.square().sum().backward()
+        grads.append([x.grad for x in inputs] + [p.grad for p in layer.parameters()])
+    assert all(g is not None for g in grads[0])
+    assert any(n.startswith("core_attention.indexer.") for n, _ in plain.named_parameters())
+    for want, have in zip(*grads):
+        torch.testing.assert_close(have, want, rtol=1e-6, atol=1e-7)
+
+
+def test_core_attention_takes_the_intermediates_once(one_rank):
+    """The MLA layer's intermediates serve one core-attention forward; a core attention that runs
+    without them (outside GLM5MLASelfAttention, or twice) names what is missing."""
+    from model_providers.glm5.dsa.attention import MLAIntermediates
+
+    torch.manual_seed(3)
+    layer = _layer("sparse", topk=10)
+    core = layer.core_attention
+    seen = []
+    core.register_forward_pre_hook(lambda m, args: seen.append((m.mla, args)))
+    layer(torch.randn(40, 1, 64), attention_mask=None)
+    (mla, (q, k, v, _)), = seen
+    assert isinstance(mla, MLAIntermediates) and mla.kv_latent.shape == (40, 1, 24)
+    assert mla.kv_up_weight is layer.linear_kv_up_proj.weight and mla.kv_full is None
+    assert core.mla is None
+    with pytest.raises(RuntimeError, match=r"layer 1, model.dsa.mode=sparse\) got no MLAIntermediates"):
+        core(q, k, v)

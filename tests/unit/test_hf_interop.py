@@ -81,7 +81,11 @@ def test_logits_match_transformers(released, index_topk, tmp_path):
         ckpt = str(tmp_path / "ckpt")
     tokens = hs.well_separated_tokens(model)
     _, chunks = _our_model(ckpt)
-    ours, ref = logits(chunks, tokens, hs.TINY["vocab_size"]), hf_logits(model, tokens)
+    from tests.unit.dsa_probe import TopkProbe
+
+    with TopkProbe(chunks[0]) as probe:
+        ours = logits(chunks, tokens, hs.TINY["vocab_size"])
+    ref = hf_logits(model, tokens)
     err = _rel_err(ours, ref)
     print(f"\nindex_topk={index_topk} seq={hs.SEQ}: max relative logits error {err:.2e}")
     assert err < TOL
@@ -91,8 +95,7 @@ def test_logits_match_transformers(released, index_topk, tmp_path):
     else:  # the sparse path must matter, or this comparison proves little
         dense = hf_logits(hs.make_model(index_topk=hs.SEQ), tokens)
         assert _rel_err(ref, dense) > 100 * TOL
-        sparse_layers = [m for m in chunks[0].modules() if getattr(m, "last_topk", None) is not None]
-        assert len(sparse_layers) == hs.TINY["num_hidden_layers"]
+        assert len(probe.latest) == hs.TINY["num_hidden_layers"]  # every layer selected top-k
 
 
 YARN_SEQ = 96  #: past the original context of 64
@@ -130,11 +133,15 @@ def test_yarn_logits_match_transformers(one_rank, case, tmp_path):
     assert len(cores) == 4 and all(c.softmax_scale == pytest.approx(scale, rel=1e-12) for c in cores)
     assert all(c.indexer.yarn == cfg.yarn for c in cores)
     tokens = hs.well_separated_tokens(model, batch=1, seq=YARN_SEQ)  # 2 x 96 rows: no clear top-k
-    ours, ref = logits(chunks, tokens, hs.TINY["vocab_size"]), hf_logits(model, tokens)
+    from tests.unit.dsa_probe import TopkProbe
+
+    with TopkProbe(chunks[0]) as probe:
+        ours = logits(chunks, tokens, hs.TINY["vocab_size"])
+    ref = hf_logits(model, tokens)
     err = _rel_err(ours, ref)
     print(f"\n{case} seq={YARN_SEQ}: max relative logits error {err:.2e}")
     assert err < TOL
-    assert all(c.last_topk is not None for c in cores)  # queries 16..95 attended sparsely
+    assert all(c in probe.latest for c in cores)  # queries 16..95 attended sparsely
     plain = hf_logits(hs.make_model(index_topk=16, **shape), tokens)
     assert _rel_err(plain, ref) > 100 * TOL
     export_hf(str(tmp_path / "ckpt"), str(tmp_path / "export"))

@@ -11,6 +11,7 @@ import torch
 
 from data_pipeline.packing import document_ids_from_lengths, position_ids
 from model_providers.glm5.config import DSAConfig, GLM5Config, PrecisionConfig
+from tests.unit.dsa_probe import TopkProbe
 
 LENGTHS = [23, 37, 12]  # the last document is shorter than top-k, the middle one much longer
 
@@ -83,9 +84,10 @@ def test_sparse_topk_never_picks_another_documents_key(one_rank):
     total = sum(LENGTHS)
     tokens = torch.randint(0, 500, (total,), generator=torch.Generator().manual_seed(2))
     docs = torch.from_numpy(document_ids_from_lengths(LENGTHS, total))
-    _run(model, tokens, tokens, torch.arange(total), docs[None])
+    with TopkProbe(model) as probe:
+        _run(model, tokens, tokens, torch.arange(total), docs[None])
     core = model.decoder.layers[-1].self_attention.core_attention
-    idx, valid = core.last_topk  # query rows 8.. (the first 8 see at most 8 keys: dense)
+    idx, valid = probe.latest[core]  # query rows 8.. (the first 8 see at most 8 keys: dense)
     query_doc = docs[8:][None, :, None].expand_as(idx)
     assert bool(valid.any())
     assert bool((docs[idx][valid] == query_doc[valid]).all())
@@ -126,8 +128,8 @@ def test_mtp_targets_stay_inside_documents(one_rank):
     per_depth_tokens = sum(n - depths for n in LENGTHS)
     torch.testing.assert_close(packed.double() * per_depth_tokens, want_sum, rtol=1e-5, atol=1e-6)
     # megatron's own shift over the packed sample differs: it crosses the document boundaries
-    from model_providers.glm5 import mtp
+    from parallel.megatron_compat import document_boundaries
 
-    with mtp.document_boundaries(None):
+    with document_boundaries(None):
         crossing = _mtp_losses(model, tokens, labels, torch.from_numpy(position_ids(docs.numpy())), None)
     assert not torch.allclose(crossing, packed, rtol=1e-3)

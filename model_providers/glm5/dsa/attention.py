@@ -10,9 +10,11 @@ Modes (``model.dsa.mode``):
 
 from __future__ import annotations
 
+from dataclasses import dataclass, fields
+
 import torch
 import torch.nn.functional as F
-from megatron.core import parallel_state
+from megatron.core import parallel_state, tensor_parallel
 from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler, save_to_aux_losses_tracker
@@ -27,11 +29,29 @@ from parallel.context_parallel import cp_size, gather_sequence, local_positions
 KL_TRACKER = "indexer_kl"
 
 
+@dataclass(frozen=True)
+class MLAIntermediates:
+    """What megatron's MLA computes on the way to q, k, v and DSA needs again: the indexer reads
+    the layer input and the q latent, the absorbed (MQA) form of sparse attention the kv latent
+    and the kv up-projection. ``s`` is this rank's sequence: the CP chunk, and under sequence
+    parallelism its 1/tp share (the core attention gathers it)."""
+
+    hidden_states: torch.Tensor  #: [s, b, hidden] the attention's (normalised) input
+    q_latent: torch.Tensor  #: [s, b, q_lora_rank] after q_a_layernorm
+    kv_latent: torch.Tensor  #: [s, b, kv_lora_rank] after kv_a_layernorm
+    kv_up_weight: torch.Tensor  #: [n * (qk_head_dim + v_head_dim), kv_lora_rank], this TP rank's n heads
+    kv_full: torch.Tensor | None  #: [L, b, kv_lora_rank] the CP-gathered kv latent; None without CP
+
+    def tensors(self) -> tuple:
+        """The fields in order (as checkpoint inputs: autograd saves tensors, not this object)."""
+        return tuple(getattr(self, f.name) for f in fields(self))
+
+
 class GLM5MLASelfAttention(MLASelfAttention):
-    """megatron's MLA that also hands the DSA core attention what MLA computes on the way:
-    the hidden states and q latent (indexer inputs), the normalised kv latent and the kv
-    up-projection (the absorbed form of sparse attention). Under context parallelism it returns
-    local queries and full-sequence keys/values rebuilt from the all-gathered latent."""
+    """megatron's MLA that also hands the DSA core attention its :class:`MLAIntermediates`.
+    megatron calls the core attention with q, k, v and the mask only, so they go in the core's
+    ``mla`` attribute, set right before that call and taken by it. Under context parallelism it
+    returns local queries and full-sequence keys/values rebuilt from the all-gathered latent."""
 
     def get_query_key_value_tensors(self, hidden_states, *args, **kwargs):
         query, key, value, q_latent, kv_latent = super().get_query_key_value_tensors(
@@ -39,9 +59,30 @@ class GLM5MLASelfAttention(MLASelfAttention):
         kv_full = None
         if cp_size() > 1:
             key, value, kv_full = self._gathered_key_value(key, kv_latent)
-        self.core_attention.latents = (hidden_states, q_latent, kv_latent,
-                                       self.linear_kv_up_proj.weight, kv_full)
+        self.core_attention.mla = MLAIntermediates(hidden_states, q_latent, kv_latent,
+                                                   self.linear_kv_up_proj.weight, kv_full)
         return query, key, value, q_latent, kv_latent
+
+    def _checkpointed_attention_forward(self, query, key, value, attention_mask, rotary_pos_emb=None,
+                                        attn_mask_type=None, attention_bias=None,
+                                        packed_seq_params=None):
+        """megatron's selective recomputation of the core attention (``core_attn``) with the
+        intermediates as checkpoint inputs: the recomputation in backward, which may come after
+        other micro-batches' forwards, gets this forward's intermediates again and returns their
+        gradients."""
+        core = self.core_attention
+        mla, core.mla = core.mla, None
+        if mla is None:
+            raise RuntimeError(f"layer {self.layer_number}: no MLAIntermediates for the core attention "
+                               "(get_query_key_value_tensors did not run before it)")
+        mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
+
+        def run(query, key, value, attention_mask, *intermediates):
+            core.mla = MLAIntermediates(*intermediates)
+            return core(query, key, value, attention_mask, attn_mask_type=mask_type,
+                        attention_bias=attention_bias, packed_seq_params=packed_seq_params)
+
+        return tensor_parallel.checkpoint(run, False, query, key, value, attention_mask, *mla.tensors())
 
     def _gathered_key_value(self, key_local, kv_latent):
         """Full-sequence key [L, b, n, qk] and value [L, b, n, v] for this rank's heads from the
@@ -85,29 +126,32 @@ class DSACoreAttention(MegatronModule):
         self.layer_number = layer_number
         self.softmax_scale = softmax_scale
         self.indexer = LightningIndexer(config, dsa)
-        self.latents = None
-        self.last_topk = None  #: (idx, valid) of the latest sparse forward, for inspection
+        self.mla: MLAIntermediates | None = None  #: set by the MLA layer for the next forward
 
     def forward(self, query, key, value, attention_mask=None, attn_mask_type=None,
                 attention_bias=None, packed_seq_params=None, **unused):
         if packed_seq_params is not None:
             raise NotImplementedError("DSA takes packed documents as document ids in attention_mask, "
                                       "not megatron's THD packed_seq_params")
-        latents, self.latents = self.latents, None
+        mla, self.mla = self.mla, None
         s = query.shape[0]
         layout = TokenLayout.build(s, key.shape[0], _document_ids(attention_mask),
                                    local_positions(s), query.device)
         mode = self.dsa.mode
         if mode == "dense":
             return self._dense(query, key, value, layout)
-        iq, ik, iw = self._indexer_inputs(latents, layout)
+        if mla is None:
+            raise RuntimeError(
+                f"DSACoreAttention (layer {self.layer_number}, model.dsa.mode={mode}) got no "
+                "MLAIntermediates: it runs inside GLM5MLASelfAttention, which sets them")
+        iq, ik, iw = self._indexer_inputs(mla, layout)
         tp_group = parallel_state.get_tensor_model_parallel_group()
         if mode == "warmup":
             out = self._dense(query, key, value, layout)
             kl = dense_kl(iq, ik, iw, query, key, self.softmax_scale, self.dsa.query_chunk,
                           tp_group, layout)
         else:
-            out, kl = self._sparse(query, key, value, latents, iq, ik, iw, tp_group, layout)
+            out, kl = self._sparse(query, key, value, mla, iq, ik, iw, tp_group, layout)
         # kl is this rank's per-query mean; CP ranks hold equally many queries, so the mean over
         # the CP group (the tracker's average) is the sequence mean. megatron scales aux losses
         # by cp before DDP averages gradients over CP: divide by cp to get the mean's gradient.
@@ -128,22 +172,22 @@ class DSACoreAttention(MegatronModule):
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=self.softmax_scale)
         return out.permute(2, 0, 1, 3).reshape(query.shape[0], query.shape[1], -1)
 
-    def _indexer_inputs(self, latents, layout: TokenLayout):
+    def _indexer_inputs(self, mla: MLAIntermediates, layout: TokenLayout):
         """Indexer projections from detached inputs: q [b,s,H,d] and w [b,s,H] for this rank's
         queries (RoPE at their global positions), k [b,L,d] for the full sequence (CP-gathered;
         its gradient flows back to the ranks that computed it)."""
-        hidden, q_latent = latents[0], latents[1]
         sp = self.config.sequence_parallel
         with torch.no_grad():
-            x = _full_sequence(hidden, sp).transpose(0, 1)
-            qr = _full_sequence(q_latent, sp).transpose(0, 1)
+            x = _full_sequence(mla.hidden_states, sp).transpose(0, 1)
+            qr = _full_sequence(mla.q_latent, sp).transpose(0, 1)
         positions = layout.q_pos.expand(x.shape[0], -1)
         iq, ik, iw = self.indexer.project(x.detach(), qr.detach(), positions)
         if cp_size() > 1:
             ik = gather_sequence(ik.transpose(0, 1)).transpose(0, 1)
         return iq, ik, iw
 
-    def _sparse(self, query, key, value, latents, iq, ik, iw, tp_group, layout: TokenLayout):
+    def _sparse(self, query, key, value, mla: MLAIntermediates, iq, ik, iw, tp_group,
+                layout: TokenLayout):
         """Queries at global positions before top-k see all their keys (top-k of fewer than k
         candidates is all of them): exact dense attention there, over keys 0..k-1; the absorbed
         sparse kernel for the rest. Local positions ascend, so these queries are a leading block
@@ -159,29 +203,30 @@ class DSACoreAttention(MegatronModule):
             kl = dense_kl(iq[:, :prefix], ik[:, :kp], iw[:, :prefix], query[:prefix], key[:kp],
                           self.softmax_scale, chunk, tp_group, head) * prefix
         if prefix < s:
-            rest_out, rest_kl = self._sparse_rest(query, key, latents, iq, ik, iw, prefix,
-                                                  tp_group, layout)
+            rest_out, rest_kl = self._sparse_rest(query, key, mla, iq, ik, iw, prefix, tp_group,
+                                                  layout)
             outs.append(rest_out)
             kl = kl + rest_kl * (s - prefix)
         out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
         return out, kl / s
 
-    def _sparse_rest(self, query, key, latents, iq, ik, iw, first: int, tp_group, layout):
+    def _sparse_rest(self, query, key, mla: MLAIntermediates, iq, ik, iw, first: int, tp_group,
+                     layout):
         """Absorbed-form sparse attention for query rows ``first..s-1`` over their top-k keys."""
-        _, _, kv_latent, kv_up_weight, kv_full = latents
         cfg = self.config
         nope, rope, dv = cfg.qk_head_dim, cfg.qk_pos_emb_head_dim, cfg.v_head_dim
         s, b, n, _ = query.shape
         idx, valid = select_topk(iq[:, first:].detach(), ik.detach(), iw[:, first:].detach(),
                                  self.dsa.topk, self.dsa.query_chunk, self.dsa.indexer_dtype,
                                  first, layout)
-        self.last_topk = (idx, valid)
-        w = kv_up_weight.view(n, nope + dv, cfg.kv_lora_rank)
+        w = mla.kv_up_weight.view(n, nope + dv, cfg.kv_lora_rank)
         w_uk, w_uv = w[:, :nope], w[:, nope:]
         q_nope, q_pe = query[first:].split([nope, rope], dim=-1)
         q_abs = torch.cat([torch.einsum("sbnd,ndc->bsnc", q_nope, w_uk),
                            q_pe.transpose(0, 1)], dim=-1)
-        c = kv_full if kv_full is not None else _full_sequence(kv_latent, cfg.sequence_parallel)
+        c = mla.kv_full
+        if c is None:
+            c = _full_sequence(mla.kv_latent, cfg.sequence_parallel)
         kv = torch.cat([c, key[:, :, 0, nope:]], dim=-1).transpose(0, 1)  # [b, L, lora + rope]
         o_lat, head_probs = sparse_latent_attention(
             q_abs.contiguous(), kv.contiguous(), idx, valid, self.softmax_scale,
