@@ -15,7 +15,6 @@ from __future__ import annotations
 import io
 import os
 import queue
-import shutil
 from dataclasses import dataclass, replace
 from typing import Callable, Optional
 
@@ -25,9 +24,12 @@ from megatron.core.dist_checkpointing.core import CheckpointingConfig, save_conf
 from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, ShardedTensorFactory
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint import save as dcp_save
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+
+from model_providers.glm5.hf_paths import HFPathError
 
 COMMON_FILE = "common.pt"
 
@@ -162,11 +164,9 @@ def _group_of_key(key: str) -> str:
 
 def save_lazily(out_dir: str, chunks: list[Chunk], objects: dict, dtypes: dict,
                 source: Callable[[str], torch.Tensor], common: dict) -> None:
-    """Write a megatron torch_dist checkpoint to ``out_dir`` (atomically, via ``out_dir.tmp``).
-    ``dtypes[name]`` is the stored dtype of megatron tensor ``name``, ``source(name)`` its data."""
-    tmp = out_dir.rstrip("/") + ".tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
+    """Write a megatron torch_dist checkpoint into the existing folder ``out_dir`` (the caller
+    stages it and publishes it when complete: ``hf_paths.staged_output``). ``dtypes[name]`` is
+    the stored dtype of megatron tensor ``name``, ``source(name)`` its data."""
     by_key: dict[str, list[Chunk]] = {}
     for c in chunks:
         by_key.setdefault(c.key, []).append(c)
@@ -180,16 +180,42 @@ def save_lazily(out_dir: str, chunks: list[Chunk], objects: dict, dtypes: dict,
         buf = io.BytesIO()
         torch.save([data], buf)
         lazy[key] = buf
-    dcp_save(lazy, storage_writer=_GroupedWriter(tmp, _group_of_key),
-             planner=_LazyPlanner(lazy, source, dtypes))
-    torch.save(common, os.path.join(tmp, COMMON_FILE))
-    save_config(CheckpointingConfig("torch_dist", 1, "torch", 1), tmp)
-    shutil.rmtree(out_dir, ignore_errors=True)
-    os.replace(tmp, out_dir)
+    try:
+        dcp_save(lazy, storage_writer=_GroupedWriter(out_dir, _group_of_key),
+                 planner=_LazyPlanner(lazy, source, dtypes))
+    except CheckpointException as e:  # one rank: what ``source`` raised (e.g. a damaged shard)
+        raise next(iter(e.failures.values()))[0] from None
+    torch.save(common, os.path.join(out_dir, COMMON_FILE))
+    save_config(CheckpointingConfig("torch_dist", 1, "torch", 1), out_dir)
 
 
 def load_common(ckpt_dir: str) -> dict:
     return dist_checkpointing.load_common_state_dict(ckpt_dir)
+
+
+def check_files(ckpt_dir: str) -> None:
+    """Every data file the checkpoint's DCP metadata names exists and holds the byte ranges it
+    lists: a missing or truncated file is named (with the first tensor it cuts) before any
+    tensor is read."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        meta = FileSystemReader(ckpt_dir).read_metadata()
+    except Exception as e:  # torch raises whatever its unpickling hits
+        raise HFPathError(f"{os.path.join(ckpt_dir, '.metadata')} is missing or unreadable "
+                          f"({type(e).__name__}: {e})") from None
+    items: dict[str, list] = {}
+    for index, info in meta.storage_data.items():
+        items.setdefault(info.relative_path, []).append((info.offset + info.length, index.fqn))
+    for rel, ends in sorted(items.items()):
+        path = os.path.join(ckpt_dir, rel)
+        if not os.path.isfile(path):
+            raise HFPathError(f"checkpoint file {path} is missing (it holds {min(ends)[1]}, ...)")
+        size = os.path.getsize(path)
+        cut = sorted(e for e in ends if e[0] > size)
+        if cut:
+            raise HFPathError(f"checkpoint file {path} is truncated: {size} bytes, {max(ends)[0]} "
+                              f"expected ({cut[0][1]} is cut)")
 
 
 def stored_dtypes(ckpt_dir: str) -> dict[str, torch.dtype]:

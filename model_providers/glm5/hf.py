@@ -11,7 +11,10 @@ same architecture; ``OUT/glm5_model.yaml`` lists it). ``export`` reads an import
 checkpoint and writes ``config.json`` + safetensors shards that ``transformers`` loads. ``loss``
 prints one JSON line ``{"loss": mean next-token cross-entropy, "tokens": N}`` for a [batch, seq]
 int array, by the project's model (fp32; one rank, or the layout given under torchrun) or by
-``transformers`` (``--hf``). Mapping, memory and format notes: ``hf_convert``, ``hf_mapping``,
+``transformers`` (``--hf``). ``import`` and ``export`` never delete or overwrite anything: OUT must
+be absent or empty and apart from the source, and appears only when complete (``hf_paths``); a
+wrong path, a damaged shard or an unsupported config ends with a message on stderr and exit
+status 1. Mapping, memory and format notes: ``hf_convert``, ``hf_mapping``,
 ``dist_io``; config mapping and rejected fields: ``hf_config``.
 """
 
@@ -42,6 +45,17 @@ def _export(args) -> dict:
 
 
 def _loss(args) -> dict:
+    from model_providers.glm5 import hf_paths
+
+    if not os.path.isfile(args.tokens):
+        raise hf_paths.HFPathError(f"--tokens {args.tokens} does not exist")
+    if args.hf:
+        hf_paths.check_hf_dir(args.hf)
+    else:
+        from model_providers.glm5.dist_io import check_files
+
+        hf_paths.check_checkpoint_dir(args.checkpoint)
+        check_files(args.checkpoint)
     tokens = torch.from_numpy(np.load(args.tokens)).long()
     if tokens.ndim != 2 or tokens.shape[1] < 2:
         raise SystemExit(f"--tokens must be a [batch, seq>=2] int array, got shape {tuple(tokens.shape)}")
@@ -55,7 +69,7 @@ def _loss(args) -> dict:
     from model_providers.glm5.dist_io import load_common
     from model_providers.glm5.hf_convert import config_from_common
     from model_providers.glm5.hf_eval import build_eval_model, load_weights, next_token_loss
-    from parallel.config import ParallelConfig, validate
+    from parallel.config import ParallelConfig, check_layout
     from parallel.initialize import dist_env, initialize
 
     cfg = config_from_common(load_common(args.checkpoint))
@@ -64,16 +78,26 @@ def _loss(args) -> dict:
     env = dist_env()
     par = ParallelConfig(tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp,
                          sequence_parallel=args.tp > 1, cpu_emulation=args.cpu_emulation)
-    validate(par, world_size=env.world_size, num_layers=cfg.num_layers,
-             num_attention_heads=cfg.num_attention_heads, num_experts=cfg.num_experts,
-             seq_length=tokens.shape[1], micro_batch_size=1,
-             global_batch_size=tokens.shape[0])
+    _, problems = check_layout(par, world_size=env.world_size, num_layers=cfg.num_layers,
+                               num_attention_heads=cfg.num_attention_heads,
+                               num_experts=cfg.num_experts, seq_length=tokens.shape[1],
+                               micro_batch_size=1, global_batch_size=tokens.shape[0])
+    if problems:
+        raise SystemExit("invalid layout for this checkpoint:\n  - " + "\n  - ".join(problems))
     initialize(par, seed=1, env=env)
     chunks, _ = build_eval_model(cfg, par, args.dsa_mode)
     load_weights(args.checkpoint, chunks)
     loss, n = next_token_loss(chunks, tokens)
     parallel_state.destroy_model_parallel()
     return {"loss": loss, "tokens": n}
+
+
+def _user_errors() -> tuple:
+    from model_providers.glm5.hf_config import HFConfigError
+    from model_providers.glm5.hf_convert import MissingWeightsError
+    from model_providers.glm5.hf_paths import HFPathError
+
+    return HFPathError, HFConfigError, MissingWeightsError
 
 
 def main(argv=None) -> None:
@@ -105,7 +129,10 @@ def main(argv=None) -> None:
                     help="without CUDA: strict also checks device placement (parallel.cpu_emulation)")
     args = p.parse_args(argv)
     owned = not torch.distributed.is_initialized()
-    result = {"import": _import, "export": _export, "loss": _loss}[args.cmd](args)
+    try:
+        result = {"import": _import, "export": _export, "loss": _loss}[args.cmd](args)
+    except _user_errors() as e:  # a wrong path or an unsupported model: the message says it all
+        raise SystemExit(str(e.args[0] if isinstance(e, KeyError) else e)) from None
     if int(os.environ.get("RANK", "0")) == 0:
         print(json.dumps(result), flush=True)
     if owned and torch.distributed.is_initialized():

@@ -19,7 +19,7 @@ import zlib
 import torch
 from omegaconf import OmegaConf
 
-from model_providers.glm5 import backend_keys, dist_io
+from model_providers.glm5 import backend_keys, dist_io, hf_paths
 from model_providers.glm5.config import GLM5Config, PrecisionConfig, to_transformer_config
 from model_providers.glm5.hf_config import PASSTHROUGH, glm5_from_hf, hf_from_glm5
 from model_providers.glm5.hf_mapping import (
@@ -39,11 +39,11 @@ def ensure_one_rank(seed: int = 1) -> None:
     from megatron.core import parallel_state
 
     from parallel.config import ParallelConfig
-    from parallel.initialize import DistEnv, _free_port, initialize
+    from parallel.initialize import DistEnv, initialize
 
     if parallel_state.model_parallel_is_initialized() and torch.distributed.is_initialized():
         return
-    initialize(ParallelConfig(), seed=seed, env=DistEnv(0, 1, 0, "127.0.0.1", _free_port(), "single"))
+    initialize(ParallelConfig(), seed=seed, env=DistEnv.one_process())
 
 
 def meta_model(cfg: GLM5Config):
@@ -72,7 +72,8 @@ def config_from_common(common: dict) -> GLM5Config:
     elif "config_yaml" in common:
         raw = OmegaConf.to_container(OmegaConf.create(common["config_yaml"]), resolve=True)["model"]
     else:
-        raise KeyError("checkpoint has neither an imported model config nor a run config_yaml")
+        raise hf_paths.HFPathError(f"the checkpoint's {dist_io.COMMON_FILE} has neither an imported "
+                                   f"model config ({COMMON_MODEL!r}) nor a run's 'config_yaml'")
     return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(GLM5Config), raw))
 
 
@@ -136,10 +137,14 @@ def _check_sources(reader: HFReader, sources: dict, cfg: GLM5Config, hf_dir: str
 
 def import_hf(hf_dir: str, out_dir: str, mtp_num_steps: int = 3, dtype: torch.dtype | None = None,
               seed: int = 1234, **training_fields) -> dict:
-    """HF checkpoint -> megatron dist checkpoint at ``out_dir``. Tensors keep their stored dtype
-    unless ``dtype`` is given (fp32 router weights and expert bias always stay fp32)."""
+    """HF checkpoint -> megatron dist checkpoint at ``out_dir`` (absent or empty; staged and
+    renamed, see ``hf_paths``). Tensors keep their stored dtype unless ``dtype`` is given (fp32
+    router weights and expert bias always stay fp32). The folders, the config and every shard's
+    header are checked before the model is built."""
     from transformers import GlmMoeDsaConfig
 
+    hf_paths.check_hf_dir(hf_dir)
+    hf_paths.check_output(out_dir, hf_dir)
     hf_cfg = GlmMoeDsaConfig.from_pretrained(hf_dir)
     cfg = glm5_from_hf(hf_cfg, mtp_num_steps=mtp_num_steps, **training_fields)
     reader = HFReader(hf_dir)
@@ -168,9 +173,10 @@ def import_hf(hf_dir: str, out_dir: str, mtp_num_steps: int = 3, dtype: torch.dt
     common = {COMMON_MODEL: json.dumps(dataclasses.asdict(cfg)),
               COMMON_HF: json.dumps(passthrough), "hf_source": str(hf_dir),
               backend_keys.COMMON_KEY: backend_keys.LOCAL}  # names of the local spec (meta_model)
-    dist_io.save_lazily(out_dir, chunks, objects, dtypes, source, common)
-    with open(os.path.join(out_dir, MODEL_YAML), "w") as f:  # the run's model.* settings
-        f.write(OmegaConf.to_yaml(OmegaConf.create(dataclasses.asdict(cfg))))
+    with hf_paths.staged_output(out_dir) as tmp:
+        dist_io.save_lazily(tmp, chunks, objects, dtypes, source, common)
+        with open(os.path.join(tmp, MODEL_YAML), "w") as f:  # the run's model.* settings
+            f.write(OmegaConf.to_yaml(OmegaConf.create(dataclasses.asdict(cfg))))
     return {"checkpoint": out_dir, "tensors": len(names), "mtp_initialised": bool(initialised),
             "model_yaml": os.path.join(out_dir, MODEL_YAML)}
 
@@ -202,11 +208,13 @@ def export_hf(ckpt_dir: str, out_dir: str, dtype: torch.dtype | None = None,
     """megatron dist checkpoint (an import or a training run's, either layer backend) -> HF
     ``config.json`` + safetensors shards (GLM-5's released layout: experts one by one, the MTP
     module as layer ``num_layers`` with copies of embedding and head), one checkpoint layer in
-    memory at a time. Written to ``out_dir.tmp`` and renamed when complete."""
-    import shutil
-
+    memory at a time. ``out_dir`` must be absent or empty; the result is staged and renamed
+    (``hf_paths``)."""
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
+    hf_paths.check_checkpoint_dir(ckpt_dir)
+    hf_paths.check_output(out_dir, ckpt_dir)
+    dist_io.check_files(ckpt_dir)
     common = dist_io.load_common(ckpt_dir)
     cfg = config_from_common(common)
     stored = dist_io.stored_dtypes(ckpt_dir)
@@ -218,20 +226,18 @@ def export_hf(ckpt_dir: str, out_dir: str, dtype: torch.dtype | None = None,
     groups: dict[str, list[str]] = {}
     for name in sharded:
         groups.setdefault(group_of(name), []).append(name)
-    tmp = out_dir.rstrip("/") + ".tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    writer = ShardWriter(tmp, max_shard_bytes)
-    for names in groups.values():
-        for name, tensor in dist_io.load_tensors(ckpt_dir, sharded, names, stored).items():
-            writer.add_all(_hf_tensors(name, tensor, cfg, dtype))
-    if cfg.mtp_num_steps:
-        mtp = f"model.layers.{cfg.num_layers}."
-        for name, tensor in dist_io.load_tensors(ckpt_dir, sharded, list(TOP_COPIES), stored).items():
-            writer.add_all((mtp + TOP_COPIES[name], t) for _, t in _hf_tensors(name, tensor, cfg, dtype))
-    weight_map = writer.close()
     passthrough = json.loads(common.get(COMMON_HF, "{}"))
     main = str(dtype or stored["embedding.word_embeddings.weight"]).replace("torch.", "")
-    hf_from_glm5(cfg, passthrough, dtype=main).save_pretrained(tmp)
-    shutil.rmtree(out_dir, ignore_errors=True)
-    os.replace(tmp, out_dir)
+    hf_cfg = hf_from_glm5(cfg, passthrough, dtype=main)  # rejects an unexportable config first
+    with hf_paths.staged_output(out_dir) as tmp:
+        writer = ShardWriter(tmp, max_shard_bytes)
+        for names in groups.values():
+            for name, tensor in dist_io.load_tensors(ckpt_dir, sharded, names, stored).items():
+                writer.add_all(_hf_tensors(name, tensor, cfg, dtype))
+        if cfg.mtp_num_steps:
+            mtp = f"model.layers.{cfg.num_layers}."
+            for name, tensor in dist_io.load_tensors(ckpt_dir, sharded, list(TOP_COPIES), stored).items():
+                writer.add_all((mtp + TOP_COPIES[name], t) for _, t in _hf_tensors(name, tensor, cfg, dtype))
+        weight_map = writer.close()
+        hf_cfg.save_pretrained(tmp)
     return {"hf_dir": out_dir, "tensors": len(weight_map), "files": len(set(weight_map.values()))}

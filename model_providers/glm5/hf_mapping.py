@@ -12,6 +12,7 @@ megatron tensor is one HF tensor, or (the SwiGLU ``linear_fc1``) HF ``gate_proj`
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -20,6 +21,7 @@ from typing import Iterable
 import torch
 
 from model_providers.glm5 import backend_keys
+from model_providers.glm5.hf_paths import HFPathError
 
 #: megatron suffix inside a transformer layer -> HF suffix(es) inside ``model.layers.<i>.``
 LAYER = {
@@ -109,16 +111,52 @@ class HFReader:
         self.path = path
         index = os.path.join(path, "model.safetensors.index.json")
         if os.path.exists(index):
-            with open(index) as f:
-                self.where = dict(json.load(f)["weight_map"])
+            try:
+                with open(index) as f:
+                    self.where = dict(json.load(f)["weight_map"])
+            except (OSError, ValueError, KeyError, TypeError) as e:
+                raise HFPathError(f"{index} is not a readable safetensors index "
+                                  f"({type(e).__name__}: {e})") from None
         elif os.path.exists(os.path.join(path, "model.safetensors")):
-            from safetensors import safe_open
-
-            with safe_open(os.path.join(path, "model.safetensors"), "pt") as f:
-                self.where = {k: "model.safetensors" for k in f.keys()}
+            self.where = {k: "model.safetensors" for k in self._keys("model.safetensors")}
         else:
-            raise FileNotFoundError(f"no model.safetensors(.index.json) in {path}")
+            raise HFPathError(f"no model.safetensors or model.safetensors.index.json in {path}")
         self._meta: dict = {}
+        self.verify()
+
+    def verify(self) -> None:
+        """Open every shard once (safetensors checks that its header parses and its data covers
+        the file) and check that it holds the tensors the index places in it: a missing,
+        truncated or mismatched shard is named before any tensor is read."""
+        by_shard: dict[str, set] = {}
+        for name, shard in self.where.items():
+            by_shard.setdefault(shard, set()).add(name)
+        for shard, names in by_shard.items():
+            absent = sorted(names - set(self._keys(shard)))
+            if absent:
+                raise HFPathError(f"{os.path.join(self.path, shard)} lacks {len(absent)} tensors "
+                                  f"its index places there: {absent[:5]}")
+
+    def _keys(self, shard: str) -> list[str]:
+        from safetensors import safe_open
+
+        with self._reading(shard):
+            with safe_open(os.path.join(self.path, shard), "pt") as f:
+                return list(f.keys())
+
+    @contextlib.contextmanager
+    def _reading(self, shard: str, tensor: str | None = None):
+        """Names the shard (and tensor) in any error reading it."""
+        from safetensors import SafetensorError
+
+        try:
+            yield
+        except (SafetensorError, OSError) as e:
+            what = f" (reading {tensor})" if tensor else ""
+            path = os.path.join(self.path, shard)
+            if isinstance(e, FileNotFoundError) and not os.path.exists(path):
+                raise HFPathError(f"shard {path} is missing{what}") from None
+            raise HFPathError(f"shard {path} is damaged or unreadable{what}: {e}") from None
 
     def has(self, name: str) -> bool:
         return name in self.where or self._fused(name) is not None
@@ -135,7 +173,8 @@ class HFReader:
         if name not in self._meta:
             from safetensors import safe_open
 
-            with safe_open(os.path.join(self.path, self.where[name]), "pt") as f:
+            with self._reading(self.where[name], name), \
+                    safe_open(os.path.join(self.path, self.where[name]), "pt") as f:
                 s = f.get_slice(name)
                 self._meta[name] = (s.get_dtype(), tuple(s.get_shape()))
         return self._meta[name]
@@ -152,7 +191,8 @@ class HFReader:
         source = fused[0] if fused else name
         if source not in self.where:
             raise KeyError(f"{name} not in {self.path}")
-        with safe_open(os.path.join(self.path, self.where[source]), "pt") as f:
+        with self._reading(self.where[source], name), \
+                safe_open(os.path.join(self.path, self.where[source]), "pt") as f:
             if not fused:
                 return f.get_tensor(name)
             _, e, kind = fused
@@ -166,7 +206,8 @@ class HFReader:
         """Whether two stored 2-D tensors are equal, compared ``block`` rows at a time."""
         from safetensors import safe_open
 
-        with safe_open(os.path.join(self.path, self.where[a]), "pt") as fa, \
+        with self._reading(self.where[a], a), self._reading(self.where[b], b), \
+                safe_open(os.path.join(self.path, self.where[a]), "pt") as fa, \
                 safe_open(os.path.join(self.path, self.where[b]), "pt") as fb:
             sa, sb = fa.get_slice(a), fb.get_slice(b)
             if sa.get_shape() != sb.get_shape():
