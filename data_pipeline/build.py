@@ -1,8 +1,9 @@
 """What a training run calls: the blended train (and valid) datasets of the active mixture.
 
 ``build_train_dataset(data_cfg, seq_length, seed, run_dir, vocab_size, num_samples)``, called
-once on every rank: rank 0 preprocesses whatever is missing or stale (other ranks wait on the
-broadcast of its result, and raise its error if it fails), then every rank builds megatron's
+once on every rank, before the model is built: rank 0 verifies each corpus and preprocesses
+whatever is missing, stale or damaged (other ranks wait on the broadcast of its result, and raise
+its error if it fails), then every rank builds megatron's
 ``BlendedMegatronDatasetBuilder`` over the corpora's shards with ``CorpusDataset``; the shard
 weights are the corpus weight split by the shard's share of the corpus's tokens. Indices are
 cached under ``<run_dir>/data_index/<key>/`` (``.complete`` written last). The result indexes

@@ -60,7 +60,9 @@ class CorpusConfig:
     packing: str = "concat"  #: concat (GPT windows across documents) | best_fit (whole documents per sequence)
     mask_tool_results: bool = True  #: no loss on tool-result turns (trajectories)
     mask_template: bool = True  #: no loss on role markers (trajectories)
-    invalid_utf8: str = "replace"  #: replace (U+FFFD, counted in stats) | reject (error naming file and line)
+    encoding: str = "utf-8"  #: of jsonl/text input bytes; any ASCII-compatible codec (latin-1, cp1252, ...)
+    invalid_utf8: str = "replace"  #: bytes invalid in ``encoding``: replace (U+FFFD, counted) | reject (error naming file, byte)
+    max_invalid_utf8_fraction: float = 0.01  #: documents ``replace`` may alter (each use warns); above: an error
 
 
 @dataclass
@@ -156,6 +158,14 @@ def expand_paths(paths: List[str]) -> List[str]:
     return files
 
 
+def _ascii_compatible(encoding: str) -> bool:
+    """JSON lines are split at b"\\n" and parsed as ASCII JSON, so the codec must keep ASCII as is."""
+    try:
+        return "{}\n".encode(encoding) == b"{}\n" and b"{}\n".decode(encoding) == "{}\n"
+    except (LookupError, TypeError):
+        return False
+
+
 def check_corpus(name: str, c: CorpusConfig, check_paths: bool = True) -> List[str]:
     where = f"data.corpora.{name}"
     problems = []
@@ -169,6 +179,11 @@ def check_corpus(name: str, c: CorpusConfig, check_paths: bool = True) -> List[s
                                 ("invalid_utf8", c.invalid_utf8, UTF8_POLICIES)):
         if value not in allowed:
             problems.append(f"{where}.{key}={value!r} must be one of {list(allowed)}")
+    if not _ascii_compatible(c.encoding):
+        problems.append(f"{where}.encoding={c.encoding!r} must be an ASCII-compatible codec Python knows "
+                        "(utf-8, latin-1, cp1252, ...)")
+    if not 0 <= c.max_invalid_utf8_fraction <= 1:
+        problems.append(f"{where}.max_invalid_utf8_fraction={c.max_invalid_utf8_fraction} must be in [0, 1]")
     if not c.paths:
         problems.append(f"{where}.paths is empty")
     samples = [p for p in c.paths if p.startswith(SAMPLE_SCHEME)]

@@ -5,7 +5,16 @@ Each corpus of the active mixture (or ``corpora=[a,b]``) becomes
 DataTrove task and ``stats.json`` (documents, tokens, bytes, invalid UTF-8, per shard). The
 fingerprint covers the inputs (path, size, mtime), the tokenizer file, and every setting that
 changes the output, so a rerun skips finished corpora and a changed input rebuilds. The folder
-only appears, by rename, once complete.
+only appears, by rename, once complete, with a manifest in ``stats.json``
+(:mod:`data_pipeline.integrity`).
+
+Every use verifies the folder first. A damaged one (a file missing, truncated or altered, or no
+manifest: an older version made it) is renamed ``<folder>.damaged-<n>`` with a warning naming the
+file and problem, and rebuilt from its inputs; where it cannot be rebuilt here (the slurm executor
+inside a run) it is an error naming the file. Concurrent callers build under a lock; the one that
+waited verifies and uses the folder the other published. A corpus whose documents were altered by
+``invalid_utf8=replace`` is warned about on every use, and is an error above
+``max_invalid_utf8_fraction``.
 
 ``data.preprocess.executor=local`` runs the tasks here in worker processes;
 ``executor=slurm`` submits a Slurm array job (one task per shard) plus a dependent job that
@@ -14,8 +23,11 @@ writes ``stats.json`` and renames the folder; the training run then finds it com
 
 from __future__ import annotations
 
+import codecs
+import errno
 import glob
 import json
+import logging
 import os
 import shutil
 from dataclasses import asdict, dataclass, field
@@ -25,10 +37,12 @@ from data_pipeline import tokenizer
 from data_pipeline.config import (SAMPLE_SCHEME, CorpusConfig, DataConfig, DataConfigError,
                                   active_weights, expand_paths, validate_data)
 from data_pipeline.fsutil import building_dir, file_lock, fingerprint, write_json_atomic
+from data_pipeline.integrity import CorpusDamaged, manifest, set_aside, verify
 from data_pipeline.readers import CorpusReader, DataError
 from data_pipeline.writer import MASK_SUFFIX, IndexedShardWriter
 
 PREPROCESS_VERSION = 1
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -71,7 +85,10 @@ def num_tasks(cfg: DataConfig) -> int:
 def output_dir(name: str, c: CorpusConfig, cfg: DataConfig, files: list[str], tok_path: str) -> str:
     from data_pipeline.fsutil import file_digest
 
-    settings = {k: v for k, v in asdict(c).items() if k not in ("category", "packing", "paths")}
+    unused = ("category", "packing", "paths", "max_invalid_utf8_fraction")
+    settings = {k: v for k, v in asdict(c).items() if k not in unused}
+    if codecs.lookup(c.encoding).name == "utf-8":  # keeps the keys from before the field existed
+        del settings["encoding"]
     key = fingerprint({
         "version": PREPROCESS_VERSION, "settings": settings, "inputs": _stat_inputs(files),
         "tokenizer": file_digest(tok_path), "eod": cfg.tokenizer.eod_token, "tasks": num_tasks(cfg),
@@ -108,15 +125,20 @@ def finalize(name: str, work_dir: str, tasks: int, files: list[str]) -> dict:
                                               for e in (".bin", ".idx")):
                 raise DataError(f"corpus {name!r}: shard {s['prefix']}{suffix} is incomplete in {work_dir}")
     stats = {"corpus": name, **totals, "loss_mask": shards[0]["loss_mask"], "shards": shards,
-             "inputs": len(files)}
+             "inputs": len(files), "manifest": manifest(work_dir, shards)}
     write_json_atomic(os.path.join(work_dir, "stats.json"), stats)
+    problems = verify(work_dir)
+    if problems:
+        raise CorpusDamaged(f"corpus {name!r}: the shards just written are inconsistent:\n  - "
+                            + "\n  - ".join(problems))
     return stats
 
 
 def pipeline(name: str, c: CorpusConfig, cfg: DataConfig, files: list[str], tok_path: str, out_dir: str):
     at_once = 1 if cfg.preprocess.executor == "slurm" else min(cfg.preprocess.workers, num_tasks(cfg))
     return [
-        CorpusReader(name, files, c.format, c.text_field, c.messages_field, c.invalid_utf8, cfg.chat),
+        CorpusReader(name, files, c.format, c.text_field, c.messages_field, c.invalid_utf8, cfg.chat,
+                     c.encoding),
         IndexedShardWriter(out_dir, tok_path, cfg.tokenizer.eod_token, cfg.preprocess.batch_size,
                            c.mask_template, c.mask_tool_results,
                            tasks_per_node=at_once),
@@ -124,8 +146,9 @@ def pipeline(name: str, c: CorpusConfig, cfg: DataConfig, files: list[str], tok_
 
 
 def prepare_corpus(name: str, cfg: DataConfig, allow_submit: bool = False) -> CorpusOutput | None:
-    """The corpus's finished output, building it here (local) when missing. With the slurm
-    executor a missing output is submitted (``allow_submit``) and None returned, or refused."""
+    """The corpus's finished, verified output, building it here (local) when missing or damaged.
+    With the slurm executor such an output is submitted (``allow_submit``) and None returned, or
+    refused."""
     c = cfg.corpora[name]
     files = corpus_files(name, c, cfg)
     tok_path = tokenizer.resolve(cfg)
@@ -137,24 +160,69 @@ def prepare_corpus(name: str, cfg: DataConfig, allow_submit: bool = False) -> Co
                                   f"{', '.join(f'data.chat.{k}={v!r}' for k, v in missing.items())} "
                                   f"are not tokens of {tok_path}")
     final = output_dir(name, c, cfg, files, tok_path)
-    if os.path.isdir(final):
-        return load_output(name, final)
+    problems = verify(final) if os.path.exists(final) else None
+    if problems == []:
+        return _warn_altered(name, c, load_output(name, final))
     if cfg.preprocess.executor == "slurm":
         if not allow_submit:
-            raise DataConfigError(f"corpus {name!r} is not preprocessed ({final} missing) and "
-                                  "data.preprocess.executor=slurm: run `python -m data_pipeline.preprocess` first")
+            what = (f"is not preprocessed ({final} missing)" if problems is None
+                    else f"is damaged ({'; '.join(problems)})")
+            error = DataConfigError if problems is None else CorpusDamaged
+            raise error(f"corpus {name!r} {what} and data.preprocess.executor=slurm: run "
+                        "`python -m data_pipeline.preprocess` first (it sets a damaged folder aside and resubmits)")
         from data_pipeline.slurm import submit
 
+        with file_lock(final):
+            _set_aside_if_damaged(name, final)
         submit(name, c, cfg, files, tok_path, final)
         return None
     with file_lock(final):
+        _set_aside_if_damaged(name, final)
         if not os.path.isdir(final):
             for stale in glob.glob(glob.escape(final) + ".partial-*"):  # left by a killed build
                 shutil.rmtree(stale, ignore_errors=True)
-            with building_dir(final) as tmp:
-                run_local(pipeline(name, c, cfg, files, tok_path, tmp), cfg, os.path.join(tmp, "logs"))
-                finalize(name, tmp, num_tasks(cfg), files)
-    return load_output(name, final)
+            try:
+                with building_dir(final) as tmp:
+                    run_local(pipeline(name, c, cfg, files, tok_path, tmp), cfg, os.path.join(tmp, "logs"))
+                    finalize(name, tmp, num_tasks(cfg), files)
+            except OSError as e:  # published meanwhile by a process the lock did not reach (another node)
+                if e.errno not in (errno.EEXIST, errno.ENOTEMPTY) or not os.path.isdir(final):
+                    raise
+                log.warning("corpus %r: %s was published by another process during this build; using it", name, final)
+    return checked_output(name, c, final)
+
+
+def _set_aside_if_damaged(name: str, final: str) -> None:
+    """Under the corpus's lock: a damaged ``final`` is renamed out of the way, with a warning."""
+    problems = verify(final) if os.path.exists(final) else []
+    if problems:
+        aside = set_aside(final)
+        log.warning("corpus %r: %s is damaged (%s); set aside as %s and rebuilt", name, final,
+                    "; ".join(p.replace(final + os.sep, "") for p in problems), os.path.basename(aside))
+
+
+def checked_output(name: str, c: CorpusConfig, final: str) -> CorpusOutput:
+    problems = verify(final)
+    if problems:
+        raise CorpusDamaged(f"corpus {name!r}: {final} is damaged:\n  - " + "\n  - ".join(problems))
+    return _warn_altered(name, c, load_output(name, final))
+
+
+def _warn_altered(name: str, c: CorpusConfig, out: CorpusOutput) -> CorpusOutput:
+    """Documents altered by ``invalid_utf8=replace`` are a warning on every use, and an error
+    above ``max_invalid_utf8_fraction`` (the output stays cached: raising it needs no rebuild)."""
+    altered, documents = out.stats["invalid_utf8_documents"], out.stats["documents"]
+    if altered:
+        where = f"data.corpora.{name}"
+        what = (f"corpus {name!r}: {altered} of {documents} documents ({altered / documents:.2%}) had bytes "
+                f"that are not valid {c.encoding}, replaced by U+FFFD ({where}.invalid_utf8={c.invalid_utf8})")
+        if altered / documents > c.max_invalid_utf8_fraction:
+            raise DataError(f"{what}, more than {where}.max_invalid_utf8_fraction={c.max_invalid_utf8_fraction}. "
+                            f"If the input is in another encoding (e.g. Latin-1), set {where}.encoding; "
+                            f"{where}.invalid_utf8=reject names the first bad byte; raising "
+                            f"{where}.max_invalid_utf8_fraction trains on the altered text")
+        log.warning(what)
+    return out
 
 
 def worker_start_method() -> str:

@@ -4,13 +4,15 @@ Formats: JSON lines (``.jsonl``/``.json``/``.ndjson``, optionally ``.gz``), plai
 (one file = one document), parquet and saved HF datasets (both through HF ``datasets``).
 Uncompressed JSON lines are split by byte range, so one big file still spreads over all tasks (a
 line belongs to the task its first byte falls in); other inputs are split by whole files, and a
-saved dataset by row range. Invalid UTF-8 is replaced (and counted) or rejected with the file and
-byte offset, per ``invalid_utf8``. Trajectories (``messages_field``) are rendered here with the
-chat template; the token-kind spans travel in the document's metadata.
+saved dataset by row range. Bytes are decoded with the corpus's ``encoding``; invalid ones are
+replaced (and counted) or rejected with the file and byte offset, per ``invalid_utf8``.
+Trajectories (``messages_field``) are rendered here with the chat template; the token-kind spans
+travel in the document's metadata.
 """
 
 from __future__ import annotations
 
+import codecs
 import gzip
 import json
 import os
@@ -50,11 +52,12 @@ class CorpusReader(PipelineStep):
     type = "📖 - READER"
 
     def __init__(self, corpus: str, files: list[str], fmt: str, text_field: str,
-                 messages_field: str | None, invalid_utf8: str, chat: ChatTemplateConfig):
+                 messages_field: str | None, invalid_utf8: str, chat: ChatTemplateConfig,
+                 encoding: str = "utf-8"):
         super().__init__()
         self.corpus, self.files, self.fmt = corpus, list(files), fmt
         self.text_field, self.messages_field = text_field, messages_field
-        self.invalid_utf8, self.chat = invalid_utf8, chat
+        self.invalid_utf8, self.chat, self.encoding = invalid_utf8, chat, encoding
         self.formats = [detect_format(f) if fmt == "auto" else fmt for f in self.files]
         if len(set(self.formats)) > 1:
             raise DataError(f"corpus {corpus!r} mixes formats {sorted(set(self.formats))}; split it in two corpora")
@@ -85,12 +88,14 @@ class CorpusReader(PipelineStep):
 
     def _decode(self, raw: bytes, where: str) -> tuple[str, int]:
         try:
-            return raw.decode("utf-8"), 0
+            return raw.decode(self.encoding), 0
         except UnicodeDecodeError as e:
             if self.invalid_utf8 == "reject":
-                raise DataError(f"corpus {self.corpus!r}: {where}: invalid UTF-8 at byte {e.start} "
+                what = ("UTF-8" if codecs.lookup(self.encoding).name == "utf-8"
+                        else f"{self.encoding} (data.corpora.{self.corpus}.encoding)")
+                raise DataError(f"corpus {self.corpus!r}: {where}: invalid {what} at byte {e.start} "
                                 f"(data.corpora.{self.corpus}.invalid_utf8=reject)") from None
-            text = raw.decode("utf-8", errors="replace")
+            text = raw.decode(self.encoding, errors="replace")
             return text, text.count("\ufffd")
 
     def _document(self, rec, where: str, doc_id: str, replaced: int = 0) -> Document:

@@ -69,3 +69,12 @@ def read_docs(prefixes: list) -> list:
         ds = IndexedDataset(p)
         docs.extend(ds[i].tolist() for i in range(len(ds)))
     return docs
+
+
+def expected_tokens(texts: list) -> list:
+    """What preprocessing must store per document: the sample tokenizer's ids, EOD appended."""
+    from data_pipeline.tokenizer import load
+
+    tok = load(tokenizer_path())
+    eod = tok.token_to_id("<|endoftext|>")
+    return [tok.encode(t, add_special_tokens=False).ids + [eod] for t in texts]

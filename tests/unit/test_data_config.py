@@ -13,15 +13,17 @@ from hydra import compose, initialize_config_dir
 from data_pipeline.config import (CorpusConfig, DataConfig, DataConfigError, check_data,
                                   validate_data)
 from pretrain.config import register, to_run_config
-from pretrain.train import ConfigError, validate
+from pretrain.validation import ConfigError
+from pretrain.validation import plan_run as validate
 from tests.unit.data_support import REPO, default_data_cfg
 
 register()
 
 
 def _rc(*overrides):
+    """A one-stage run (curriculum stages would set the data mixture themselves)."""
     with initialize_config_dir(config_dir=os.path.join(REPO, "conf"), version_base=None):
-        return to_run_config(compose("config", overrides=list(overrides)))
+        return to_run_config(compose("config", overrides=["curriculum=none", *overrides]))
 
 
 def _problems(cfg: DataConfig, vocab=None) -> str:
@@ -82,14 +84,22 @@ def test_mixtures_from_the_command_line():
 def test_corpus_field_values(tmp_path):
     f = tmp_path / "a.jsonl"
     f.write_text('{"text": "x"}\n')
-    bad = CorpusConfig(category="", paths=[str(f)], packing="first_fit", format="csv", invalid_utf8="ignore")
+    bad = CorpusConfig(category="", paths=[str(f)], packing="first_fit", format="csv", invalid_utf8="ignore",
+                       encoding="utf-16", max_invalid_utf8_fraction=1.5)
     cfg = DataConfig(corpora={"a": bad}, mixtures={"default": {"a": 1}})
     msg = _problems(cfg)
     for expected in ("data.corpora.a.category='' must be a non-empty word",
                      "data.corpora.a.packing='first_fit' must be one of ['concat', 'best_fit']",
                      "data.corpora.a.format='csv' must be one of",
-                     "data.corpora.a.invalid_utf8='ignore' must be one of ['replace', 'reject']"):
+                     "data.corpora.a.invalid_utf8='ignore' must be one of ['replace', 'reject']",
+                     "data.corpora.a.encoding='utf-16' must be an ASCII-compatible codec",
+                     "data.corpora.a.max_invalid_utf8_fraction=1.5 must be in [0, 1]"):
         assert expected in msg, msg
+    for encoding in ("no-such-codec", "rot13"):
+        bad.encoding = encoding
+        assert f"data.corpora.a.encoding={encoding!r} must be" in _problems(cfg)
+    bad.encoding, bad.max_invalid_utf8_fraction = "latin-1", 0.0
+    assert "data.corpora.a.encoding" not in _problems(cfg) and "max_invalid_utf8" not in _problems(cfg)
 
 
 def test_missing_input_file_is_a_config_error(tmp_path):

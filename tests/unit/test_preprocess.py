@@ -18,13 +18,10 @@ from data_pipeline.preprocess import prepare
 from data_pipeline.readers import DataError
 from data_pipeline.samples import sample_dir
 from data_pipeline.tokenizer import load
-from tests.unit.data_support import corpus_cfg, default_data_cfg, read_docs, sample_outputs, tokenizer_path, write_jsonl
+from tests.unit.data_support import (corpus_cfg, default_data_cfg, expected_tokens, read_docs, sample_outputs,
+                                     tokenizer_path, write_jsonl)
 
-
-def _expected(texts):
-    tok = load(tokenizer_path())
-    eod = tok.token_to_id("<|endoftext|>")
-    return [tok.encode(t, add_special_tokens=False).ids + [eod] for t in texts]
+_expected = expected_tokens
 
 
 def _texts(files, field="text"):
@@ -188,7 +185,7 @@ def test_invalid_utf8_replace_counts_reject_names_the_byte(tmp_path):
     bad = b'{"text": "caf\xe9 au lait"}\n'
     f = tmp_path / "a.jsonl"
     f.write_bytes(good * 3 + bad + good)
-    out = prepare(corpus_cfg(tmp_path / "cache", [f]))["c"]
+    out = prepare(corpus_cfg(tmp_path / "cache", [f], max_invalid_utf8_fraction=0.2))["c"]
     assert out.stats["documents"] == 5 and out.stats["invalid_utf8_documents"] == 1
     assert out.stats["replacement_chars"] == 1
     assert read_docs(out.prefixes)[3] == _expected(["caf\ufffd au lait"])[0]
