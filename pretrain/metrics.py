@@ -1,5 +1,6 @@
-"""Where step metrics go: a rich progress bar, a console line every N steps, metrics.jsonl and
-W&B (online / offline / disabled). Only global rank 0 writes; the loop hands it reduced values."""
+"""Where step metrics go: a rich progress bar (on a terminal only: piped to a file it would be
+noise), a console line every N steps (pretrain.console), metrics.jsonl and W&B (online /
+offline / disabled). Only global rank 0 writes; the loop hands it reduced values."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import json
 import os
 from typing import Optional
 
+from pretrain import console
 from pretrain.config import LoggerConfig
 
 
@@ -30,12 +32,14 @@ class MetricsSink:
         if cfg.progress_bar:
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-            self.progress = Progress(
+            progress = Progress(
                 TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
                 TextColumn("{task.fields[status]}"), TimeRemainingColumn(), transient=True,
             )
-            self.task = self.progress.add_task("train", total=total_steps, completed=start_step, status="")
-            self.progress.start()
+            if progress.console.is_terminal:
+                self.progress = progress
+                self.task = progress.add_task("train", total=total_steps, completed=start_step, status="")
+                progress.start()
 
     def log(self, record: dict) -> None:
         if not self.active:
@@ -47,18 +51,26 @@ class MetricsSink:
                 self.wandb_run.log({k: v for k, v in record.items() if v is not None}, step=record["step"])
             except Exception as e:  # e.g. a job-wide SIGTERM also ended the wandb-core service
                 self._drop_wandb(e)
-        line = (
-            f"step {record['step']:>5} | loss {record['loss']:.4f} | lm {record['lm_loss']:.4f} | "
-            f"mtp {record.get('mtp_loss', float('nan')):.4f} | lr {record['lr']:.2e} | "
-            f"gnorm {record['grad_norm']:.3f} | {record['tokens_per_s']:.0f} tok/s"
-        )
         if self.progress is not None:
             self.progress.update(self.task, completed=record["step"], status=f"loss {record['loss']:.3f}")
-        if record["step"] % self.cfg.log_every == 0:
-            if self.progress is not None:
-                self.progress.console.print(line, highlight=False)
-            else:
-                print(line, flush=True)
+        if record["step"] % self.cfg.log_every == 0 or record.get("skipped"):
+            console.say(console.step_line(record))
+        if "valid_lm_loss" in record:
+            console.say(console.validation_line(record))
+
+    def event(self, line: str) -> None:
+        """A stage start, a checkpoint: one console line from rank 0."""
+        if self.active:
+            console.say(line)
+
+    @property
+    def wandb_where(self) -> str:
+        """The W&B run's URL (online), its local folder (offline), or why there is none."""
+        if self.wandb_run is None:
+            return "disabled" if self.cfg.wandb.mode == "disabled" else "stopped"
+        if self.cfg.wandb.mode == "offline":
+            return f"offline: {self.wandb_run.settings.sync_dir} (wandb sync it to upload)"
+        return self.wandb_run.url
 
     def close(self) -> None:
         if not self.active:

@@ -68,6 +68,8 @@ def test_two_rank_run_logs_tokens_per_category(tmp_path):
                          "trainer.seq_length=64", f"trainer.run_dir={run_dir}", "checkpoint.save_at_end=false"],
                         nproc=2)
     assert summary["steps"] == 2 and summary["world_size"] == 2
+    for rank in (0, 1):  # megatron's chatter of each rank is in its own file (pretrain.logs)
+        assert "megatron.core" in (run_dir / "logs" / f"rank{rank}.log").read_text()
     metrics = read_metrics(str(run_dir))
     for step, rec in enumerate(metrics, start=1):
         assert rec["tokens_general"] + rec["tokens_code"] == rec["consumed_tokens"] == step * 8 * 64

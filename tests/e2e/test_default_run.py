@@ -38,6 +38,7 @@ def default_run(tmp_path_factory):
         cwd=REPO, env=train_env(1), capture_output=True, text=True, timeout=900,
     )
     elapsed = time.time() - t0
+    (run_dir.parent / "console.txt").write_text(proc.stdout + proc.stderr)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return run_dir, json.loads(proc.stdout.strip().splitlines()[-1]), elapsed
 
@@ -136,3 +137,27 @@ def test_default_run_leaves_the_run_directory(default_run):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20_000
     offline = list((run_dir / "wandb").glob("offline-run-*"))
     assert len(offline) == 1, "one W&B offline run for the whole curriculum"
+
+
+@pytest.mark.heavy
+def test_default_run_console_is_ours_and_the_libraries_go_to_the_log(default_run):
+    """<= 80 lines on stdout + stderr: banner, stage / step / validation / checkpoint lines and the
+    summary; megatron's chatter (a DDP bucket's parameter list per stage, ...) is in the log."""
+    run_dir, summary, _ = default_run
+    console = (run_dir.parent / "console.txt").read_text().splitlines()
+    assert len(console) <= 80, "\n".join(console)
+    text = "\n".join(console)
+    for line in ("GLM-5 pretraining: glm5-tiny", "params   1.44M", f"run dir  {run_dir}",
+                 f"logs     {run_dir / 'logs' / 'rank0.log'}", f"W&B      offline: {run_dir / 'wandb'}",
+                 f"done: {summary['steps']} steps"):
+        assert line in text, line
+    for i, (name, steps, seq, mixture) in enumerate(STAGES):
+        assert f"== stage {i + 1}/7 {name}: {steps} steps" in text, name
+        assert sum(ln.split()[:2] == [name, str(steps)] for ln in console) == 2  # banner, summary
+    assert sum(ln.startswith("checkpoint ") for ln in console) == len(STAGES)
+    assert sum(ln.startswith("valid ") for ln in console) == 3  # dsa_warmup's end, dsa_sparse x 2
+    assert sum(ln.startswith("step ") for ln in console) == summary["steps"] // 10
+    log = (run_dir / "logs" / "rank0.log").read_text()
+    for chatter in ("Params for bucket 1", "> total number of documents", "Setting up optimizer"):
+        assert chatter not in text and chatter in log, chatter
+    assert log.count("Params for bucket 1") == len(STAGES)
