@@ -1,12 +1,12 @@
 # Two entry points, each self-bootstrapping: `make run` (the default tiny GLM-5 run on CPU) and
-# `make test`. The venv is (re)built when pyproject.toml changes.
+# `make test` (`make test-quick`: the one-process tests only). The venv is (re)built when pyproject.toml changes.
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-$(shell sha1sum pyproject.toml | cut -c1-12)
 ARGS   ?=
 
-.PHONY: run test bench
+.PHONY: run test test-quick bench
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -18,6 +18,10 @@ run: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider $(ARGS)
+
+# the one-process tests only (config, model, kernels, data): a first check in a few minutes
+test-quick: $(STAMP)
+	$(PY) -m pytest -q -p no:cacheprovider tests/unit $(ARGS)
 
 bench: $(STAMP)
 	$(PY) benchmarks/throughput.py

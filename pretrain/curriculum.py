@@ -21,6 +21,8 @@ from typing import Any, Dict, List, Optional
 
 from omegaconf import OmegaConf
 
+from pretrain.errors import ConfigError
+
 IMPLICIT_STAGE = "pretrain"
 OPTIMIZER_STATES = ("carry", "reset")
 LR_STYLES = ("cosine", "linear", "constant", "wsd")
@@ -31,24 +33,28 @@ class StageLRConfig:
     """One stage's schedule (megatron ``OptimizerParamScheduler``): linear warm-up from ``init``
     to ``peak`` over ``warmup_steps``, then ``style`` decay from ``peak`` to ``end`` over the rest
     of the stage. With ``warmup_steps: 0`` the stage's first step runs at ``peak``. It applies to
-    every parameter group; a separate ``optimizer.muon.lr`` keeps its ratio to ``optimizer.lr``."""
+    every parameter group; a separate ``optimizer.muon.lr`` keeps its ratio to ``optimizer.lr``.
+    A field left null takes the run's value (named after each field)."""
 
-    peak: float = 3e-3
-    end: float = 3e-4
-    init: float = 0.0  #: warm-up start (used only when warmup_steps > 0)
-    warmup_steps: int = 0
-    style: str = "cosine"  #: cosine | linear | constant | wsd
-    wsd_decay_steps: Optional[int] = None  #: wsd: length of the final decay; null = 20% of the stage
+    peak: Optional[float] = None  #: null = optimizer.lr
+    end: Optional[float] = None  #: null = optimizer.min_lr
+    init: Optional[float] = None  #: warm-up start (used only when warmup_steps > 0); null = scheduler.init_lr
+    warmup_steps: Optional[int] = None  #: null = scheduler.warmup_steps
+    style: Optional[str] = None  #: cosine | linear | constant | wsd; null = scheduler.style
+    wsd_decay_steps: Optional[int] = None  #: wsd: length of the final decay; null = scheduler.wsd_decay_steps (null: 20% of the stage)
 
 
 @dataclass
 class StageConfig:
+    """One stage's fields; a field left null (or a dict key left out) takes the run's value
+    (``trainer.*``, ``optimizer.*``, ``scheduler.*``, ``model.*``, ``parallel.*``, ``data.*``)."""
+
     name: str = "stage"
     tokens: Optional[float] = None  #: budget in tokens (rounded up to whole steps) ...
-    steps: Optional[int] = None  #: ... or in optimizer steps; exactly one of the two
-    seq_length: int = 128
-    global_batch_size: int = 16  #: sequences per optimizer step
-    micro_batch_size: Optional[int] = None  #: null = min(trainer.micro_batch_size, global batch / dp)
+    steps: Optional[int] = None  #: ... or in optimizer steps; at most one of the two; neither = trainer.steps
+    seq_length: Optional[int] = None  #: null = trainer.seq_length
+    global_batch_size: Optional[int] = None  #: sequences per optimizer step; null = trainer.global_batch_size
+    micro_batch_size: Optional[int] = None  #: null = trainer.micro_batch_size
     lr: StageLRConfig = field(default_factory=StageLRConfig)
     mixture: Optional[str] = None  #: data mixture name; null = data.mixture
     dsa_mode: Optional[str] = None  #: dense | warmup | sparse; null = model.dsa.mode
@@ -68,10 +74,6 @@ class CurriculumConfig:
     start: Optional[str] = None  #: begin at this stage (earlier ones are taken as done)
     only: Optional[str] = None  #: run exactly this stage, then stop (one Slurm job per stage)
     plot: bool = True  #: write <run_dir>/curriculum.png at each stage end
-
-
-class CurriculumError(ValueError):
-    """A curriculum that cannot run; raised before any compute."""
 
 
 @dataclass
@@ -97,28 +99,33 @@ class Stage:
         return (self.rc.model.dsa.mode, tuple(self.trainable))
 
 
-def _stage_steps(s: StageConfig, where: str, problems: list) -> int:
-    if (s.tokens is None) == (s.steps is None):
-        problems.append(f"{where}: set exactly one of tokens ({s.tokens}) and steps ({s.steps})")
+def _or(value, run_value):
+    return run_value if value is None else value
+
+
+def _stage_steps(s: StageConfig, rc, where: str, problems: list) -> int:
+    if s.tokens is not None and s.steps is not None:
+        problems.append(f"{where}: set one of tokens ({s.tokens}) and steps ({s.steps}), not both")
         return 0
-    if s.steps is not None:
-        if s.steps <= 0:
-            problems.append(f"{where}.steps={s.steps} must be > 0")
-        return s.steps
+    if s.tokens is None:
+        steps = _or(s.steps, rc.trainer.steps)
+        if steps <= 0:
+            problems.append(f"{where}.steps={steps} must be > 0")
+        return steps
     if not s.tokens > 0:
         problems.append(f"{where}.tokens={s.tokens} must be > 0")
         return 0
-    per_step = s.global_batch_size * s.seq_length
+    per_step = _or(s.global_batch_size, rc.trainer.global_batch_size) * _or(s.seq_length, rc.trainer.seq_length)
     return math.ceil(s.tokens / per_step) if per_step > 0 else 0
 
 
 def _apply(rc, s: StageConfig, steps: int, where: str, problems: list):
-    """A copy of ``rc`` with the stage's overrides."""
+    """A copy of ``rc`` with the fields the stage sets."""
     out = copy.deepcopy(rc)
     t = out.trainer
     t.steps = steps
-    t.seq_length = s.seq_length
-    t.global_batch_size = s.global_batch_size
+    t.seq_length = _or(s.seq_length, t.seq_length)
+    t.global_batch_size = _or(s.global_batch_size, t.global_batch_size)
     if s.micro_batch_size is not None:
         t.micro_batch_size = s.micro_batch_size
     if s.eval_every is not None:
@@ -137,20 +144,19 @@ def _apply(rc, s: StageConfig, steps: int, where: str, problems: list):
         out.model.recompute = None if s.recompute == "none" else s.recompute
     if s.parallel:
         out.parallel = _merged(out.parallel, s.parallel, f"{where}.parallel", problems)
-    out.optimizer.lr = s.lr.peak
-    out.optimizer.min_lr = s.lr.end
-    muon = out.optimizer.muon
+    opt, sch = out.optimizer, out.scheduler
+    opt.lr, opt.min_lr = _or(s.lr.peak, opt.lr), _or(s.lr.end, opt.min_lr)
+    muon = opt.muon
     if muon.lr is not None:  # a separate Muon LR keeps its ratio to the stage's schedule
         ratio = muon.lr / rc.optimizer.lr
-        muon.lr, muon.min_lr = s.lr.peak * ratio, s.lr.end * ratio
+        muon.lr, muon.min_lr = opt.lr * ratio, opt.min_lr * ratio
     else:
         muon.min_lr = None
-    sch = out.scheduler
-    sch.style = s.lr.style
-    sch.init_lr = s.lr.init
-    sch.warmup_steps = s.lr.warmup_steps
+    sch.style = _or(s.lr.style, sch.style)
+    sch.init_lr = _or(s.lr.init, sch.init_lr)
+    sch.warmup_steps = _or(s.lr.warmup_steps, sch.warmup_steps)
     sch.decay_steps = steps
-    sch.wsd_decay_steps = s.lr.wsd_decay_steps
+    sch.wsd_decay_steps = _or(s.lr.wsd_decay_steps, sch.wsd_decay_steps)
     return out
 
 
@@ -167,21 +173,33 @@ def _merged(base, overrides: dict, where: str, problems: list):
 
 
 def _check_stage(s: StageConfig, st: Stage, where: str) -> list:
+    """Problems of one stage's own fields, checked on the values it trains with (a field the
+    stage leaves null is named by its run field)."""
+    def name(stage_field: str, run_field: str) -> str:
+        lr_field = stage_field.startswith("lr.")
+        own = getattr(s.lr, stage_field[3:]) if lr_field else getattr(s, stage_field)
+        return f"{where}.{stage_field}" if own is not None else f"{run_field} (for {where})"
+
     p = []
+    t, opt, sch = st.rc.trainer, st.rc.optimizer, st.rc.scheduler
     if not re.fullmatch(r"[A-Za-z0-9_.-]+", s.name or ""):
         p.append(f"{where}.name={s.name!r} must be a non-empty word (letters, digits, _ . -)")
-    if s.seq_length <= 0:
-        p.append(f"{where}.seq_length={s.seq_length} must be > 0")
-    if s.global_batch_size <= 0:
-        p.append(f"{where}.global_batch_size={s.global_batch_size} must be > 0")
+    if t.seq_length <= 0:
+        p.append(f"{name('seq_length', 'trainer.seq_length')}={t.seq_length} must be > 0")
+    if t.global_batch_size <= 0:
+        p.append(f"{name('global_batch_size', 'trainer.global_batch_size')}={t.global_batch_size} must be > 0")
     if s.optimizer_state not in OPTIMIZER_STATES:
         p.append(f"{where}.optimizer_state={s.optimizer_state!r} must be one of {list(OPTIMIZER_STATES)}")
-    if s.lr.style not in LR_STYLES:
-        p.append(f"{where}.lr.style={s.lr.style!r} must be one of {list(LR_STYLES)}")
-    if s.lr.peak <= 0 or s.lr.end < 0 or s.lr.init < 0:
-        p.append(f"{where}.lr: peak={s.lr.peak} must be > 0, end={s.lr.end} and init={s.lr.init} >= 0")
-    if s.lr.warmup_steps < 0 or (st.steps and s.lr.warmup_steps >= st.steps and s.lr.style != "constant"):
-        p.append(f"{where}.lr.warmup_steps={s.lr.warmup_steps} must be in [0, the stage's {st.steps} steps)")
+    if sch.style not in LR_STYLES:
+        p.append(f"{name('lr.style', 'scheduler.style')}={sch.style!r} must be one of {list(LR_STYLES)}")
+    if opt.lr <= 0:
+        p.append(f"{name('lr.peak', 'optimizer.lr')}={opt.lr} must be > 0")
+    if opt.min_lr < 0 or sch.init_lr < 0:
+        p.append(f"{name('lr.end', 'optimizer.min_lr')}={opt.min_lr} and "
+                 f"{name('lr.init', 'scheduler.init_lr')}={sch.init_lr} must be >= 0")
+    if sch.warmup_steps < 0 or (st.steps and sch.warmup_steps >= st.steps and sch.style != "constant"):
+        p.append(f"{name('lr.warmup_steps', 'scheduler.warmup_steps')}={sch.warmup_steps} must be in "
+                 f"[0, the stage's {st.steps} steps)")
     for pattern in s.trainable:
         try:
             re.compile(pattern)
@@ -198,19 +216,19 @@ def _check_stage(s: StageConfig, st: Stage, where: str) -> list:
     return p
 
 
-def plan(rc) -> List[Stage]:
-    """Resolve every stage (raises :class:`CurriculumError` listing each problem)."""
+def plan(rc) -> tuple[List[Stage], List[str]]:
+    """Resolve every stage; returns the stages and the problems found (empty when it can run)."""
     cur = rc.curriculum
     if not cur.stages:
         if cur.start not in (None, IMPLICIT_STAGE) or cur.only not in (None, IMPLICIT_STAGE):
-            raise CurriculumError(f"curriculum.start={cur.start!r} / curriculum.only={cur.only!r}: "
-                                  f"the curriculum has no stages (only the implicit {IMPLICIT_STAGE!r})")
+            return [], [f"curriculum.start={cur.start!r} / curriculum.only={cur.only!r}: the "
+                        f"curriculum has no stages (only the implicit {IMPLICIT_STAGE!r})"]
         return [Stage(0, IMPLICIT_STAGE, rc.trainer.steps, rc, "carry", [], 0,
-                      rc.trainer.steps * rc.trainer.global_batch_size)]
+                      rc.trainer.steps * rc.trainer.global_batch_size)], []
     problems, stages = [], []
     for i, s in enumerate(cur.stages):
         where = f"curriculum.stages[{i}] ({s.name})"
-        steps = _stage_steps(s, where, problems)
+        steps = _stage_steps(s, rc, where, problems)
         st = Stage(i, s.name, steps, _apply(rc, s, steps, where, problems), s.optimizer_state,
                    list(s.trainable))
         problems += _check_stage(s, st, where)
@@ -231,9 +249,7 @@ def plan(rc) -> List[Stage]:
                 f"curriculum.stages[{st.index}] ({st.name}).optimizer_state=carry, but it trains other "
                 f"parameters than {prev.name!r} (dsa mode/trainable {st.trains_signature()} vs "
                 f"{prev.trains_signature()}); use optimizer_state: reset")
-    if problems:
-        raise CurriculumError("invalid curriculum:\n  - " + "\n  - ".join(problems))
-    return stages
+    return stages, problems
 
 
 def _assign_data_offsets(stages: List[Stage]) -> None:
@@ -269,8 +285,9 @@ def where_to_begin(stages: List[Stage], cur: CurriculumConfig, latest: Optional[
         return Begin(first, "fresh", last)
     stage_name = latest.get("stage") or names[0]
     if stage_name not in names:
-        raise CurriculumError(f"the latest checkpoint is in stage {stage_name!r}, which this "
-                              f"curriculum does not have ({names}); use a new run dir or add it back")
+        raise ConfigError("cannot resume", [
+            f"the latest checkpoint is in stage {stage_name!r}, which this curriculum does not "
+            f"have ({names}); use a new run dir or add it back"])
     j = names.index(stage_name)
     finished = latest.get("stage_step", 0) >= stages[j].steps
     at, how = (j + 1, "carry") if finished else (j, "resume")
@@ -278,8 +295,9 @@ def where_to_begin(stages: List[Stage], cur: CurriculumConfig, latest: Optional[
         if cur.only is not None:
             pos = (f"the end of stage {stage_name!r}" if finished else
                    f"step {latest.get('stage_step', 0)}/{stages[j].steps} of stage {stage_name!r}")
-            raise CurriculumError(f"curriculum.only={cur.only!r}, but the latest checkpoint is at "
-                                  f"{pos}: run the stages before {cur.only!r} first")
+            raise ConfigError("cannot resume", [
+                f"curriculum.only={cur.only!r}, but the latest checkpoint is at {pos}: run the "
+                f"stages before {cur.only!r} first"])
         return Begin(first, "carry", last)
     if at > last:
         return Begin(at, how, last, done=True)

@@ -111,12 +111,8 @@ class PrecisionConfig:
 RECOMPUTE_MODULES = ("core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe", "shared_experts")
 
 
-class ModelConfigError(ValueError):
-    """A model or precision config that cannot be built."""
-
-
-def validate_model(cfg: GLM5Config, precision: PrecisionConfig, seq_length: int) -> None:
-    """Reject an inconsistent architecture before anything is built."""
+def check_model(cfg: GLM5Config, precision: PrecisionConfig, seq_length: int) -> list[str]:
+    """Every problem of the architecture and precision (empty when it can be built)."""
     p = []
     if not 0 <= cfg.first_k_dense <= cfg.num_layers:
         p.append(f"model.first_k_dense={cfg.first_k_dense} must be in [0, model.num_layers={cfg.num_layers}]")
@@ -176,8 +172,7 @@ def validate_model(cfg: GLM5Config, precision: PrecisionConfig, seq_length: int)
                 + ": megatron's FP8 context would do nothing and the run would train in bf16")
     if precision.fp8 is not None and precision.dtype != "bf16":
         p.append(f"precision.fp8={precision.fp8} needs precision.dtype=bf16, got {precision.dtype}")
-    if p:
-        raise ModelConfigError("invalid model config:\n  - " + "\n  - ".join(p))
+    return p
 
 
 def _rope_problems(cfg: GLM5Config) -> list:

@@ -18,9 +18,9 @@ from hydra.errors import ConfigCompositionException
 from omegaconf.errors import ConfigKeyError
 
 from data_pipeline.tokenizer import tokenizer_vocab_size
-from model_providers.glm5.config import GLM5Config, ModelConfigError, validate_model
+from model_providers.glm5.config import GLM5Config, check_model
 from pretrain.config import RunConfig, register, to_run_config
-from pretrain.train import ConfigError, validate
+from pretrain.validation import ConfigError, check_run, plan_run
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 CONF = os.path.join(REPO, "conf")
@@ -34,7 +34,14 @@ def _compose(*overrides: str, config_dir: str = CONF):
 
 
 def _rc(*overrides: str) -> RunConfig:
-    return to_run_config(_compose(*overrides))
+    """One run without curriculum stages (their fields would override trainer/optimizer/...)."""
+    return to_run_config(_compose("curriculum=none", *overrides))
+
+
+def validate(rc: RunConfig, world_size: int):
+    """The run's validation (raises ConfigError); the layout of its one stage."""
+    stages = plan_run(rc, world_size)
+    return check_run(stages[0].rc, world_size)[0]
 
 
 @pytest.fixture(autouse=True)
@@ -108,10 +115,9 @@ def test_force_added_unknown_key_is_rejected(override, key, schema):
 def test_misspelled_key_in_a_group_yaml_is_rejected(tmp_path):
     conf = tmp_path / "conf"
     shutil.copytree(CONF, conf)
-    good = (conf / "model" / "glm5_tiny.yaml").read_text()
-    assert "\nnum_attention_heads: 4\n" in good
-    (conf / "model" / "typo.yaml").write_text(good.replace("\nnum_attention_heads:", "\nnum_attention_head:"))
-    assert to_run_config(_compose("model=glm5_tiny", config_dir=str(conf))).model == GLM5Config()
+    (conf / "model" / "good.yaml").write_text("num_attention_heads: 8\n")
+    (conf / "model" / "typo.yaml").write_text("num_attention_head: 8\n")
+    assert to_run_config(_compose("model=good", config_dir=str(conf))).model.num_attention_heads == 8
     with pytest.raises(ConfigCompositionException) as e:
         _compose("model=typo", config_dir=str(conf))
     msg = str(e.value)
@@ -122,7 +128,7 @@ def test_misspelled_key_in_a_group_yaml_is_rejected(tmp_path):
 
 
 def _invalid(rc: RunConfig, world_size: int = 1):
-    with pytest.raises(ValueError) as e:
+    with pytest.raises(ConfigError) as e:
         validate(rc, world_size)
     assert not dist.is_initialized()
     return e
@@ -156,7 +162,7 @@ def test_vocab_smaller_than_tokenizer():
 
 def test_seq_length_beyond_max_positions():
     e = _invalid(_rc("trainer.seq_length=8192", "trainer.micro_batch_size=1", "trainer.global_batch_size=1"))
-    assert isinstance(e.value, ModelConfigError)
+    assert isinstance(e.value, ConfigError)
     assert "8192" in str(e.value) and "model.max_position_embeddings=4096" in str(e.value)
 
 
@@ -186,16 +192,13 @@ def test_bad_wandb_mode():
     assert "logger.wandb.mode='onlin'" in str(e.value)
 
 
-def test_validate_model_directly():
+def test_check_model_directly():
     rc = _rc()
     bad = dataclasses.replace(rc.model, dsa=dataclasses.replace(rc.model.dsa, mode="nope"))
-    with pytest.raises(ModelConfigError) as e:
-        validate_model(bad, rc.precision, 128)
-    assert "model.dsa.mode='nope'" in str(e.value)
-    with pytest.raises(ModelConfigError) as e:
-        validate_model(rc.model, rc.precision, 4097)
-    assert "4097" in str(e.value) and "model.max_position_embeddings=4096" in str(e.value)
-    validate_model(rc.model, rc.precision, 4096)
+    assert check_model(bad, rc.precision, 128) == ["model.dsa.mode='nope' must be dense, warmup or sparse"]
+    assert check_model(rc.model, rc.precision, 4097) == [
+        "trainer.seq_length=4097 exceeds model.max_position_embeddings=4096"]
+    assert check_model(rc.model, rc.precision, 4096) == []
     assert not dist.is_initialized()
 
 
@@ -232,12 +235,11 @@ def test_recompute_options_are_checked_and_reach_megatron():
     from model_providers.glm5.config import PrecisionConfig, to_transformer_config
     from parallel.config import ParallelConfig
 
-    with pytest.raises(ModelConfigError, match=r"model.recompute='partial' must be null, selective or full"):
-        validate_model(GLM5Config(recompute="partial"), PrecisionConfig(), 128)
-    with pytest.raises(ModelConfigError, match=r"model.recompute_modules=\['mla_up_proj', 'attn'\]: must be a "
-                                               r"non-empty subset of"):
-        validate_model(GLM5Config(recompute="selective", recompute_modules=["mla_up_proj", "attn"]),
-                       PrecisionConfig(), 128)
+    assert check_model(GLM5Config(recompute="partial"), PrecisionConfig(), 128) == [
+        "model.recompute='partial' must be null, selective or full"]
+    [problem] = check_model(GLM5Config(recompute="selective", recompute_modules=["mla_up_proj", "attn"]),
+                            PrecisionConfig(), 128)
+    assert problem.startswith("model.recompute_modules=['mla_up_proj', 'attn']: must be a non-empty subset of")
     sel = to_transformer_config(GLM5Config(recompute="selective"), ParallelConfig(), PrecisionConfig())
     assert (sel.recompute_granularity, sel.recompute_modules) == ("selective", ["mla_up_proj", "moe"])
     full = to_transformer_config(GLM5Config(recompute="full"), ParallelConfig(), PrecisionConfig())
@@ -286,7 +288,7 @@ def test_yarn_reaches_megatron_and_the_indexer():
 ])
 def test_bad_rope_scaling(overrides, message):
     e = _invalid(_rc(*overrides))
-    assert isinstance(e.value, ModelConfigError) and message in str(e.value)
+    assert isinstance(e.value, ConfigError) and message in str(e.value)
 
 
 @pytest.mark.parametrize("backend, have_te", [("local", True), ("auto", False), ("local", False)])

@@ -11,8 +11,9 @@ import torch.distributed as dist
 from hydra import compose, initialize_config_dir
 
 from pretrain.config import register, to_run_config
-from pretrain.curriculum import Begin, CurriculumConfig, CurriculumError, plan, where_to_begin
-from pretrain.train import ConfigError, plan_run
+from pretrain.curriculum import Begin, CurriculumConfig, where_to_begin
+from pretrain.curriculum import plan as plan_with_problems
+from pretrain.validation import ConfigError, plan_run
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 register()
@@ -29,8 +30,14 @@ def no_process_group():
     assert not dist.is_initialized(), "planning a curriculum must not start torch.distributed"
 
 
+def plan(rc):
+    stages, problems = plan_with_problems(rc)
+    assert problems == []
+    return stages
+
+
 def _error(*overrides, world=1) -> str:
-    with pytest.raises((ConfigError, CurriculumError)) as e:
+    with pytest.raises(ConfigError) as e:
         plan_run(_rc(*overrides), world)
     return str(e.value)
 
@@ -91,7 +98,7 @@ def test_same_stream_stages_continue_their_data():
     (["curriculum.stages.1.steps=-3"],
      "curriculum.stages[1] (pretrain_code_reasoning).steps=-3 must be > 0"),
     (["curriculum.stages.2.tokens=1000"],
-     "curriculum.stages[2] (extend_256): set exactly one of tokens (1000.0) and steps (6)"),
+     "curriculum.stages[2] (extend_256): set one of tokens (1000.0) and steps (6), not both"),
     (["curriculum.stages.4.seq_length=8192"],
      "stage 'extend_1024': trainer.seq_length=8192 exceeds model.max_position_embeddings=4096"),
     (["curriculum.stages.3.mixture=long_contxt"],
@@ -156,7 +163,8 @@ def test_parallel_override_must_divide_the_world():
 
 def test_every_problem_is_listed_at_once():
     msg = _error("curriculum.stages.0.steps=0", "curriculum.stages.3.mixture=nope")
-    assert "steps=0 must be > 0" in msg and "mixture=nope" not in msg  # plan() fails first ...
+    assert "curriculum.stages[0] (pretrain_general).steps=0 must be > 0" in msg
+    assert "stage 'extend_512': data.mixture='nope'" in msg
     msg = _error("curriculum.stages.3.mixture=nope", "curriculum.stages.4.seq_length=9000")
     assert "stage 'extend_512': data.mixture='nope'" in msg and "stage 'extend_1024'" in msg
 
@@ -188,12 +196,12 @@ def test_begin_with_start_and_only():
     assert _where({"stage": "extend_256", "stage_step": 6}, only="extend_512") == Begin(3, "carry", 3)
     assert _where({"stage": "extend_512", "stage_step": 1}, only="extend_512") == Begin(3, "resume", 3)
     assert _where({"stage": "extend_512", "stage_step": 4}, only="extend_512").done
-    with pytest.raises(CurriculumError, match=r"curriculum.only='extend_512', but the latest checkpoint "
+    with pytest.raises(ConfigError, match=r"curriculum.only='extend_512', but the latest checkpoint "
                                               r"is at step 2/6 of stage 'extend_256'"):
         _where({"stage": "extend_256", "stage_step": 2}, only="extend_512")
     # start= skips ahead explicitly, carrying the weights it has
     assert _where({"stage": "pretrain_general", "stage_step": 5}, start="extend_512") == Begin(3, "carry", 6)
-    with pytest.raises(CurriculumError, match="stage 'old_stage', which this curriculum does not have"):
+    with pytest.raises(ConfigError, match="stage 'old_stage', which this curriculum does not have"):
         _where({"stage": "old_stage", "stage_step": 1})
 
 

@@ -188,10 +188,10 @@ def test_optimizer_presets_compose():
     ("optimizer.name=lion", "optimizer.name='lion' must be one of adam, muon"),
 ])
 def test_muon_misconfiguration_is_rejected_before_compute(override, message):
-    from pretrain.train import ConfigError, validate
+    from pretrain.validation import ConfigError, plan_run
 
     with pytest.raises(ConfigError) as e:
-        validate(_rc("optimizer=muon_split", override), 1)
+        plan_run(_rc("curriculum=none", "optimizer=muon_split", override), 1)
     assert message in str(e.value)
     assert not dist.is_initialized()
 
