@@ -10,11 +10,12 @@ older folder that verifies (a truncated or missing file, a lost manifest, a dang
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
-import queue
 import random
+import re
 import shutil
 from dataclasses import dataclass, field
 from typing import Optional
@@ -24,10 +25,10 @@ import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedObject
-from megatron.core.dist_checkpointing.strategies import filesystem_async
+from torch.distributed.checkpoint.api import CheckpointException
 
 from model_providers.glm5 import backend_keys
-from parallel import cpu_emulation
+from parallel.megatron_compat import cpu_emulation
 
 LATEST = "latest"
 STAGE_FINAL = "STAGE_FINAL"  #: marker file in a stage's final checkpoint; retention keeps those
@@ -144,35 +145,91 @@ def verify(folder: str) -> Optional[str]:
     return None
 
 
+def _iter_step(name: str) -> Optional[int]:
+    m = re.fullmatch(r"iter_(\d+)", name)
+    return int(m.group(1)) if m else None
+
+
+def _read_hint(ckpt_dir: str) -> tuple[Optional[str], Optional[str]]:
+    """The folder name ``latest`` gives, or why it gives none (empty, unreadable, not a name)."""
+    pointer = os.path.join(ckpt_dir, LATEST)
+    if not os.path.exists(pointer):
+        return None, None
+    try:
+        with open(pointer, "rb") as f:
+            text = f.read(256).decode("utf-8").strip()
+    except (OSError, UnicodeDecodeError) as e:
+        return None, f"{pointer} is unreadable ({e.__class__.__name__})"
+    if _iter_step(text) is None:
+        return None, f"{pointer} holds {text[:40]!r}, not a checkpoint folder name"
+    return text, None
+
+
 def latest_checkpoint(ckpt_dir: str) -> Optional[str]:
-    """The newest complete checkpoint folder, or None: ``latest`` when it verifies, else the
-    newest older ``iter_*`` folder that does (with a warning naming what was wrong)."""
+    """The newest complete checkpoint folder, or None when there is none.
+
+    Every ``iter_<step>`` folder is a candidate, newest step first, and the first that verifies
+    against its manifest wins: a folder is renamed from ``.tmp`` only once complete, so it counts
+    even when a crash came before ``latest`` named it. ``latest`` is a hint: when it is damaged,
+    names a missing or incomplete folder, or disagrees with the scan, a warning says so. With
+    folders present but none complete, the run refuses to start (it would train from scratch
+    over them)."""
     if not os.path.isdir(ckpt_dir):
         return None
-    pointer = os.path.join(ckpt_dir, LATEST)
-    named = None
-    if os.path.exists(pointer):
-        with open(pointer) as f:
-            named = f.read().strip()
-    done = sorted((d for d in os.listdir(ckpt_dir) if d.startswith("iter_") and not d.endswith(".tmp")),
-                  reverse=True)
-    if named is None and not done:
-        return None
-    if named is not None:  # `latest` is the commit point: a newer folder was never committed
-        done = [d for d in done if d <= named]
-        if named not in done:
-            done.insert(0, named)
-    problems = []
-    for name in done:
+    hint, hint_problem = _read_hint(ckpt_dir)
+    found = sorted((d for d in os.listdir(ckpt_dir) if _iter_step(d) is not None and
+                    os.path.isdir(os.path.join(ckpt_dir, d))), key=_iter_step, reverse=True)
+    problems = [hint_problem] if hint_problem else []
+    for name in found:
         path = os.path.join(ckpt_dir, name)
-        why = verify(path) if os.path.isdir(path) else "folder is missing"
+        why = verify(path)
         if why is None:
+            if hint is not None and hint != name:
+                problems.append(f"{LATEST} names {hint}" + ("" if hint in found else ", which is missing"))
             if problems:
-                _warn(f"checkpoint fallback to {path}: " + "; ".join(problems))
+                _warn(f"resuming from {path}, the newest complete checkpoint: " + "; ".join(problems))
             return path
         problems.append(f"{name}: {why}")
+    if not found:
+        if hint is not None:
+            raise RuntimeError(f"{os.path.join(ckpt_dir, LATEST)} names {hint}, but {ckpt_dir} holds no "
+                               f"checkpoint folder: restore it, or set checkpoint.resume=false")
+        return None
     raise RuntimeError(f"no complete checkpoint in {ckpt_dir} ({'; '.join(problems)}); refusing to "
                        "start from scratch over them: move them away or set checkpoint.resume=false")
+
+
+def resolve_init_from(path: str) -> tuple[Optional[str], Optional[str]]:
+    """``checkpoint.init_from`` as a checkpoint folder: ``(folder, None)``, or ``(None, why not)``.
+
+    A run dir or its ``checkpoints/`` folder stands for its newest complete checkpoint (found as
+    resume finds it). A checkpoint folder is verified against its manifest when it has one (a
+    run's), else its data files against the checkpoint's own metadata (an HF import), so a
+    truncated or missing file is named here rather than failing inside the load."""
+    from model_providers.glm5.dist_io import check_files
+    from model_providers.glm5.hf_paths import HFPathError
+
+    field = f"checkpoint.init_from={path}"
+    if not os.path.isdir(path):
+        return None, f"{field}: {'no such folder' if not os.path.exists(path) else 'not a folder'}"
+    for ckpt_dir in (path, os.path.join(path, "checkpoints")):
+        if os.path.isdir(ckpt_dir) and any(_iter_step(d) is not None for d in os.listdir(ckpt_dir)):
+            try:
+                newest = latest_checkpoint(ckpt_dir)
+            except RuntimeError as e:
+                return None, f"{field}: {e}"
+            return newest, None
+    if os.path.exists(os.path.join(path, MANIFEST)):
+        why = verify(path)
+        return (path, None) if why is None else (None, f"{field}: damaged checkpoint ({why})")
+    if not os.path.isfile(os.path.join(path, "metadata.json")):
+        return None, (f"{field} is not a checkpoint folder (no metadata.json); give an iter_* folder, "
+                      f"a run's checkpoints/ folder or an HF import")
+    try:
+        check_files(path)
+    except HFPathError as e:
+        return None, f"{field}: {e}"
+    return path, None
 
 
 def _warn(message: str) -> None:
@@ -206,16 +263,6 @@ def _fsync_tree(path: str) -> None:
         _fsync(dirpath)
 
 
-def _in_process_write_results() -> None:
-    """megatron's torch_dist writer hands its write results back through a queue served by a
-    *spawned* multiprocessing Manager: a fresh interpreter per rank that re-imports the training
-    entry point at the first save (5-10 s of CPU per rank). That queue only has to cross processes
-    for asynchronous saves; ours are synchronous (the write runs in this process, its forked
-    writers report through their own queue), so a plain in-process queue carries the results."""
-    if filesystem_async._results_queue is None:
-        filesystem_async._results_queue = queue.Queue()
-
-
 def save(ckpt_dir: str, model_chunks, optimizer, scheduler, state: TrainState, config_yaml: str,
          keep_last: int = 0, stage_final: bool = False) -> str:
     """Save everything needed to resume bit-exactly; returns the final folder. A stage's final
@@ -233,8 +280,13 @@ def save(ckpt_dir: str, model_chunks, optimizer, scheduler, state: TrainState, c
     sd["config_yaml"] = config_yaml
     sd["world_size"] = dist.get_world_size()
     sd[backend_keys.COMMON_KEY] = backend_keys.model_backend(model_chunks)  # its tensor names
-    _in_process_write_results()
-    dist_checkpointing.save(sd, tmp)
+    try:
+        dist_checkpointing.save(sd, tmp)
+    except (Exception, CheckpointException) as e:  # every rank raises: megatron gathers the write
+        # results; torch's CheckpointException is a BaseException
+        if dist.get_rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointSaveError(_save_failure(final, tmp, e)) from e
     dist.barrier()
     if dist.get_rank() == 0:
         if stage_final:
@@ -250,6 +302,62 @@ def save(ckpt_dir: str, model_chunks, optimizer, scheduler, state: TrainState, c
     return final
 
 
+class CheckpointSaveError(RuntimeError):
+    """A save that could not complete; its partial folder is gone, earlier checkpoints intact."""
+
+
+def _causes(e: BaseException):
+    """``e`` and what it wraps: chained exceptions and torch's per-rank checkpoint failures."""
+    seen, todo = set(), [e]
+    while todo:
+        cur = todo.pop()
+        if cur is None or id(cur) in seen:
+            continue
+        seen.add(id(cur))
+        yield cur
+        todo += [cur.__cause__, cur.__context__]
+        failures = getattr(cur, "failures", None)
+        if isinstance(failures, dict):
+            todo += [f for f in failures.values() if isinstance(f, BaseException)]
+            todo += [f[0] for f in failures.values() if isinstance(f, tuple) and f
+                     and isinstance(f[0], BaseException)]
+
+
+def _save_failure(final: str, tmp: str, e: BaseException) -> str:
+    """One line naming the checkpoint, the cause (disk full, permission, ...) and the space left."""
+    errno_cause = next((c for c in _causes(e) if isinstance(c, OSError) and c.errno), None)
+    text = " ".join(str(c) for c in _causes(e))
+    try:
+        usage = shutil.disk_usage(os.path.dirname(final))
+        space = f"; {usage.free / 2**30:.2f} GiB free of {usage.total / 2**30:.2f} GiB there"
+    except OSError:
+        usage, space = None, ""
+    # torch's zip writer reports a short write as "unexpected pos"; a worker's ENOSPC may arrive
+    # as text only; and a file system with less room than the last checkpoint took is full
+    full = (errno_cause is not None and errno_cause.errno == errno.ENOSPC) or any(
+        m in text for m in ("No space left on device", "file write failed", "unexpected pos")) or (
+        usage is not None and usage.free < _last_checkpoint_bytes(os.path.dirname(final)))
+    if full:
+        cause = "no space left on device"
+    elif errno_cause is not None:
+        cause = f"{errno_cause.strerror or errno_cause}" + (f" ({errno_cause.filename})" if errno_cause.filename else "")
+    else:
+        cause = f"{e.__class__.__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    return (f"saving checkpoint {final} failed: {cause}{space}. The partial {os.path.basename(tmp)} "
+            f"was removed; the previous checkpoints and {LATEST} are intact. Free space (or point "
+            f"trainer.run_dir elsewhere) and rerun: the run resumes from its newest checkpoint")
+
+
+def _last_checkpoint_bytes(ckpt_dir: str) -> int:
+    """The size of the newest verified checkpoint (0 when there is none)."""
+    try:
+        path = latest_checkpoint(ckpt_dir)
+        with open(os.path.join(path, MANIFEST)) as f:
+            return sum(json.load(f)["files"].values())
+    except Exception:  # noqa: BLE001 -- only a hint for the error message
+        return 0
+
+
 def _apply_retention(ckpt_dir: str, keep_last: int) -> None:
     """Keep the newest ``keep_last`` checkpoints and every stage's final one."""
     if keep_last <= 0:
@@ -261,9 +369,14 @@ def _apply_retention(ckpt_dir: str, keep_last: int) -> None:
         shutil.rmtree(os.path.join(ckpt_dir, old), ignore_errors=True)
 
 
+def read_common(path: str) -> dict:
+    """A checkpoint's common state: train state, scheduler, config, world size (no model needed)."""
+    return dist_checkpointing.load_common_state_dict(path)
+
+
 def read_train_state(path: str) -> dict:
     """The train state stored in a checkpoint (no process group or model needed)."""
-    return dict(dist_checkpointing.load_common_state_dict(path)["train_state"])
+    return dict(read_common(path)["train_state"])
 
 
 def load(path: str, model_chunks, optimizer=None, scheduler=None) -> TrainState:

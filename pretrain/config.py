@@ -3,6 +3,7 @@ assembles them and registers the whole in Hydra's ConfigStore so unknown keys ar
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import List, Optional
 
@@ -68,7 +69,10 @@ class WandbConfig:
 @dataclass
 class LoggerConfig:
     log_every: int = 1  #: console line every N steps (metrics.jsonl gets every step)
-    progress_bar: bool = True
+    progress_bar: bool = True  #: a live bar when stdout is a terminal (never in a piped log)
+    #: libraries' logs (megatron-core, datatrove, W&B, warnings) on the console too; they always
+    #: go to <run_dir>/logs/rank<N>.log, and errors always reach the console
+    verbose: bool = False
     wandb: WandbConfig = field(default_factory=WandbConfig)
 
 
@@ -77,8 +81,11 @@ class CheckpointConfig:
     save_every: int = 0  #: 0 = only at the end
     save_at_end: bool = True
     keep_last: int = 2  #: retain this many iteration folders (0 = all)
-    init_from: Optional[str] = None  #: start weights from this checkpoint (step 0, fresh optimizer)
-    resume: bool = True  #: pick up <run_dir>/checkpoints/latest when present
+    init_from: Optional[str] = None  #: start weights from this checkpoint folder, or a checkpoints dir's newest (step 0, fresh optimizer)
+    resume: bool = True  #: continue from the newest complete checkpoint in <run_dir>/checkpoints
+    #: resuming with a config that trains differently (pretrain/config_change.py) is an error;
+    #: true accepts it and records it in <run_dir>/config_history.jsonl
+    allow_config_change: bool = False
 
 
 @dataclass
@@ -92,6 +99,7 @@ class TrainerConfig:
     seed: int = 1234
     eval_every: int = 0  #: validation LM loss every N steps and at each stage end; 0 = never
     eval_samples: int = 16  #: validation sequences per evaluation
+    lock_wait_s: float = 300.0  #: wait this long for another live run holding the run dir, then refuse
 
 
 @dataclass
@@ -109,8 +117,26 @@ class RunConfig:
     faults: FaultsConfig = field(default_factory=FaultsConfig)
 
 
+#: the Hydra config tree ``python -m pretrain.train`` composes from
+CONF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")
+
+
 def register() -> None:
     ConfigStore.instance().store(name="run_schema", node=RunConfig)
+
+
+def compose(overrides=()):
+    """The config ``python -m pretrain.train *overrides`` runs with (unresolved DictConfig);
+    inside the Hydra app it uses the app's config tree, elsewhere :data:`CONF_DIR`."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    register()
+    if GlobalHydra.instance().is_initialized():
+        return hydra_compose("config", overrides=list(overrides))
+    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
+        return hydra_compose("config", overrides=list(overrides))
 
 
 def to_run_config(cfg) -> RunConfig:

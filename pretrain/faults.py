@@ -18,8 +18,7 @@ from __future__ import annotations
 
 import logging
 import signal
-from dataclasses import dataclass, field
-from typing import List
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -34,21 +33,35 @@ PREEMPTED_EXIT = 75
 class FaultsConfig:
     reload_after_bad_steps: int = 3  #: reload the last checkpoint after this many non-finite steps in a row (0 = only skip)
     max_reloads: int = 3  #: raise instead of reloading once more than this many reloads happened in one job
-    poison_loss_at_steps: List[int] = field(default_factory=list)  #: TEST ONLY: make these steps' loss NaN
+    diverged_after: int = 3  #: a run whose last this-many steps were all skipped ends with exit status 1 (0 = never)
 
 
-def check(cfg: FaultsConfig, steps: int | None) -> list[str]:
-    """Config problems, named by field and value (``steps``: the run's total, None = unknown)."""
+def check(cfg: FaultsConfig) -> list[str]:
+    """Config problems, named by field and value."""
     problems = []
     if cfg.reload_after_bad_steps < 0:
         problems.append(f"faults.reload_after_bad_steps={cfg.reload_after_bad_steps} must be >= 0")
     if cfg.max_reloads < 0:
         problems.append(f"faults.max_reloads={cfg.max_reloads} must be >= 0")
-    outside = [s for s in cfg.poison_loss_at_steps if steps is not None and not 1 <= s <= steps]
-    if outside:
-        problems.append(f"faults.poison_loss_at_steps={list(cfg.poison_loss_at_steps)} has steps outside "
-                        f"1..{steps} (the run's steps): {outside}")
+    if cfg.diverged_after < 0:
+        problems.append(f"faults.diverged_after={cfg.diverged_after} must be >= 0")
     return problems
+
+
+def divergence(history: list[dict], cfg: FaultsConfig) -> str | None:
+    """Why the run counts as diverged (its last ``diverged_after`` steps were all skipped), or None."""
+    trailing = 0
+    for rec in reversed(history):
+        if not rec.get("skipped"):
+            break
+        trailing += 1
+    if not cfg.diverged_after or trailing < cfg.diverged_after:
+        return None
+    first, last = history[-trailing]["step"], history[-1]["step"]
+    return (f"the run diverged: its last {trailing} steps ({first}-{last}) were all skipped "
+            f"(non-finite loss or gradients), so they trained nothing; the checkpoints hold the "
+            f"weights from before step {first}. Lower the LR or inspect the data of those steps "
+            f"(faults.diverged_after={cfg.diverged_after})")
 
 
 class PreemptionSignal:
@@ -95,10 +108,6 @@ class NonFinitePolicy:
         self.cfg = cfg
         self.bad_in_a_row = 0
         self.reloads = 0
-
-    def poison(self, step: int) -> bool:
-        """Test hook: whether this (1-based) step's loss is to be made NaN."""
-        return step in self.cfg.poison_loss_at_steps
 
     def should_reload(self, skipped: bool, step: int) -> bool:
         """Record one step's outcome; True when the checkpoint is to be reloaded now."""

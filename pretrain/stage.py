@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import os
 import re
+import time
 from dataclasses import dataclass
 from typing import Optional
 
 from pretrain import checkpoint
 from pretrain.checkpoint import TrainState
+from pretrain.console import checkpoint_line
 from pretrain.curriculum import Stage
 
 
@@ -74,16 +76,29 @@ def run_stage(stage: Stage, how: str, latest: Optional[str], ctx: RunContext,
     from model_providers.glm5.config import to_transformer_config
     from model_providers.glm5.provider import build_model_chunks
     from parallel.initialize import initialize, set_seeds
+    from pretrain.logs import children_to_file
     from pretrain.loop import configure_model_hooks
     from pretrain.optim import build_optimizer, build_scheduler
 
     rc, t = stage.rc, stage.rc.trainer
     initialize(rc.parallel, t.seed, ctx.env)
+    # data first: a damaged or missing corpus stops the stage before any model exists
+    num_samples = max(t.global_batch_size, stage.stream_samples)
+    with children_to_file():  # a first run preprocesses: datatrove's workers write to stderr
+        if t.eval_every:
+            dataset, valid = build_datasets(rc.data, t.seq_length, t.seed, ctx.run_dir, rc.model.vocab_size,
+                                            num_samples, valid_samples=t.eval_samples)
+        else:
+            dataset, valid = build_train_dataset(rc.data, t.seq_length, t.seed, ctx.run_dir,
+                                                 rc.model.vocab_size, num_samples), None
     tcfg = to_transformer_config(rc.model, rc.parallel, rc.precision)
     chunks = build_model_chunks(rc.model, tcfg, ctx.backend)
     restrict_trainable(chunks, stage.trainable)
     if how == "fresh" and rc.checkpoint.init_from:
-        checkpoint.load(rc.checkpoint.init_from, chunks)  # before DDP/optimizer copy the params
+        source, why = checkpoint.resolve_init_from(rc.checkpoint.init_from)  # checked in plan_run
+        if why:
+            raise RuntimeError(why)
+        checkpoint.load(source, chunks)  # before DDP/optimizer copy the params
     elif how == "carry":
         checkpoint.load(latest, chunks)
     ddp_cfg = DistributedDataParallelConfig(
@@ -105,13 +120,6 @@ def run_stage(stage: Stage, how: str, latest: Optional[str], ctx: RunContext,
         tensor_parallel.model_parallel_cuda_manual_seed(t.seed + stage.index)
     state.wandb_run_id = ctx.sink.wandb_run_id or state.wandb_run_id
 
-    num_samples = max(t.global_batch_size, stage.stream_samples)
-    if t.eval_every:
-        dataset, valid = build_datasets(rc.data, t.seq_length, t.seed, ctx.run_dir, rc.model.vocab_size,
-                                        num_samples, valid_samples=t.eval_samples)
-    else:
-        dataset, valid = build_train_dataset(rc.data, t.seq_length, t.seed, ctx.run_dir,
-                                             rc.model.vocab_size, num_samples), None
     categories = CategoryTokens(dataset, t.seq_length, stage.data_offset + state.consumed_samples,
                                 start=stage.data_offset)
     trainer = _StageTrainer(stage, ddp, optimizer, scheduler, probe, dataset, valid, categories, ctx,
@@ -147,8 +155,7 @@ class _StageTrainer:
             lr = self.optimizer.param_groups[0]["lr"]  # the LR this step uses
             position = stage.data_offset + state.consumed_samples
             stats = train_step(self.ddp, self.optimizer, self.scheduler, self.dataset, position, t,
-                               self.probe, rc.model.mtp_num_steps,
-                               poison=self.ctx.nonfinite.poison(state.step + 1))
+                               self.probe, rc.model.mtp_num_steps)
             state.step += 1
             state.stage_step += 1
             state.consumed_samples += t.global_batch_size
@@ -189,8 +196,10 @@ class _StageTrainer:
 
     def _save(self, state, chunks, stage_final=False):
         rc = self.stage.rc
-        checkpoint.save(self.ctx.ckpt_dir, chunks, self.optimizer, self.scheduler, state,
-                        self.ctx.config_yaml, rc.checkpoint.keep_last, stage_final=stage_final)
+        t0 = time.perf_counter()
+        path = checkpoint.save(self.ctx.ckpt_dir, chunks, self.optimizer, self.scheduler, state,
+                               self.ctx.config_yaml, rc.checkpoint.keep_last, stage_final=stage_final)
+        self.ctx.sink.event(checkpoint_line(path, stage_final, time.perf_counter() - t0))
 
     def _record(self, state: TrainState, stats, lr: float) -> dict:
         rc, t = self.stage.rc, self.stage.rc.trainer

@@ -8,90 +8,66 @@ last stdout line.
 
 from __future__ import annotations
 
+import atexit
 import gc
 import json
+import logging
 import os
+import sys
+import time
 
 import hydra
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
-from pretrain import faults
-from pretrain.config import RunConfig, register, to_run_config
+from pretrain import faults, jsonl
+from pretrain.config import CONF_DIR, RunConfig, compose, register, to_run_config
+from pretrain.run_lock import RunDirLock
+from pretrain.validation import ConfigError, override_notes, plan_run
 
 register()
 
 
-class ConfigError(ValueError):
-    """The run config cannot work; raised before any compute."""
+def read_metrics(path: str) -> list[dict]:
+    """The last record of each step (a resumed run rewrites the steps after its checkpoint)."""
+    by_step = {rec["step"]: rec for rec in jsonl.read(path)}
+    return [by_step[s] for s in sorted(by_step)]
 
 
-def validate(rc: RunConfig, world_size: int):
-    """Every check that needs only the config and the world size. Returns the parallel layout."""
-    from data_pipeline.config import check_data
-    from model_providers.glm5.config import validate_model
-    from parallel.config import validate as validate_parallel
-    from pretrain.optim import check_schedule
-
-    t = rc.trainer
-    validate_model(rc.model, rc.precision, t.seq_length)
-    layout = validate_parallel(
-        rc.parallel,
-        world_size=world_size,
-        num_layers=rc.model.num_layers,
-        num_attention_heads=rc.model.num_attention_heads,
-        num_experts=rc.model.num_experts,
-        seq_length=t.seq_length,
-        micro_batch_size=t.micro_batch_size,
-        global_batch_size=t.global_batch_size,
-    )
-    problems = check_schedule(rc.scheduler, rc.optimizer, t.steps)
-    if t.steps < 0:
-        problems.append(f"trainer.steps={t.steps} must be >= 0")
-    problems += check_data(rc.data, rc.model.vocab_size)
-    problems += faults.check(rc.faults, None)
-    if rc.logger.wandb.mode not in ("online", "offline", "disabled"):
-        problems.append(f"logger.wandb.mode={rc.logger.wandb.mode!r} must be online, offline or disabled")
-    if problems:
-        raise ConfigError("invalid run config:\n  - " + "\n  - ".join(problems))
-    return layout
+def _on_rank0(fn):
+    """``fn()`` on rank 0, its outcome shared: every rank returns its result or raises its error."""
+    outcome = [None]
+    if dist.get_rank() == 0:
+        try:
+            outcome[0] = (True, fn())
+        except Exception as e:  # noqa: BLE001 -- re-raised on every rank below
+            outcome[0] = (False, e)
+    dist.broadcast_object_list(outcome, src=0)
+    ok, value = outcome[0]
+    if not ok:
+        raise value
+    return value
 
 
-def plan_run(rc: RunConfig, world_size: int):
-    """The curriculum's stages, each validated as a whole run config; errors name the stage."""
+def _check_config_change(rc: RunConfig, stages, latest: str, state: dict, run_dir: str, rank: int) -> None:
+    """A resume must train what its checkpoint trained (pretrain.config_change)."""
+    from pretrain import checkpoint, config_change
     from pretrain.curriculum import plan
 
-    stages = plan(rc)
-    implicit = not rc.curriculum.stages
-    problems = []
-    for st in stages:
-        prefix = "" if implicit else f"stage {st.name!r}: "
-        try:
-            layout = validate(st.rc, world_size)
-        except ValueError as e:
-            lines = [ln.strip()[2:] for ln in str(e).splitlines()[1:] if ln.strip().startswith("- ")]
-            problems += [prefix + ln for ln in lines or [str(e)]]
-            continue
-        t = st.rc.trainer
-        if t.eval_every and t.eval_samples % (t.micro_batch_size * layout.dp):
-            problems.append(f"{prefix}trainer.eval_samples={t.eval_samples} must be a multiple "
-                            f"of micro_batch_size={t.micro_batch_size} x data-parallel size {layout.dp}")
-    problems += faults.check(rc.faults, sum(st.steps for st in stages))
-    if problems:
-        title = "invalid run config" if implicit else "invalid curriculum"
-        raise ConfigError(f"{title}:\n  - " + "\n  - ".join(problems))
-    return stages
-
-
-def read_metrics(path: str) -> list[dict]:
-    if not os.path.exists(path):
-        return []
-    by_step = {}
-    with open(path) as f:
-        for line in f:
-            rec = json.loads(line)
-            by_step[rec["step"]] = rec  # a resumed run rewrites steps after its checkpoint
-    return [by_step[s] for s in sorted(by_step)]
+    old = config_change.checkpoint_config(checkpoint.read_common(latest))
+    if old is None:
+        return
+    changes = config_change.training_changes(plan(old)[0], stages, state.get("stage") or stages[0].name,
+                                             state.get("stage_step", 0))
+    if not changes:
+        return
+    if not rc.checkpoint.allow_config_change:
+        raise ConfigError(f"the config trains differently from the one {latest} was trained with "
+                          f"(to accept and record it: checkpoint.allow_config_change=true)", changes)
+    if rank == 0:
+        config_change.record(run_dir, state.get("step", 0), changes, latest)
+        logging.getLogger(__name__).warning(
+            "config changed since %s (recorded in %s): %s", latest, config_change.HISTORY, "; ".join(changes))
 
 
 def stage_summaries(history: list[dict]) -> list[dict]:
@@ -112,7 +88,12 @@ def stage_summaries(history: list[dict]) -> list[dict]:
     return out
 
 
-def run(rc: RunConfig, config_yaml: str) -> dict:
+def run(rc: RunConfig, config_yaml: str, changes=()) -> dict:
+    """``changes``: what the command line set (:func:`pretrain.overrides.changed_fields`)."""
+    from pretrain import console, logs
+
+    routing = logs.route(rc.logger.verbose)  # first: megatron logs and warns as it is imported
+    started = time.time()
     from megatron.core import parallel_state
 
     from model_providers.glm5.specs import resolve_backend
@@ -125,20 +106,35 @@ def run(rc: RunConfig, config_yaml: str) -> dict:
     from pretrain.stage import RunContext, run_stage
 
     env = dist_env()
-    stages = plan_run(rc, env.world_size)
+    stages = plan_run(rc, env.world_size, changes)
+    if env.rank == 0:
+        for note in override_notes(rc, stages, changes):
+            print(f"note: {note}", file=sys.stderr, flush=True)
     preemption = faults.PreemptionSignal()  # USR1/SIGTERM -> save after the current step, exit
     backend = resolve_backend(rc.model.layer_backend)
     start_process_group(env, cpu_emulation_mode=rc.parallel.cpu_emulation)
     run_dir = os.path.abspath(rc.trainer.run_dir)
     ckpt_dir = os.path.join(run_dir, "checkpoints")
-    if env.rank == 0:
-        os.makedirs(run_dir, exist_ok=True)
-        with open(os.path.join(run_dir, "config.yaml"), "w") as f:
-            f.write(config_yaml)
-    dist.barrier()
+    metrics_path = os.path.join(run_dir, "metrics.jsonl")
+    lock = RunDirLock(run_dir, rc.trainer.lock_wait_s) if env.rank == 0 else None
+    took_over = _on_rank0(lock.acquire if lock else None)  # before anything is written there
+    if lock is not None:
+        atexit.register(lock.release)
+    if took_over and env.rank == 0:
+        logging.getLogger(__name__).warning(took_over)
+    repaired = _on_rank0(lambda: jsonl.repair(metrics_path) if rc.checkpoint.resume else None)
+    if repaired and env.rank == 0:
+        logging.getLogger(__name__).warning(repaired)
 
     latest = checkpoint.latest_checkpoint(ckpt_dir) if rc.checkpoint.resume else None
     latest_state = checkpoint.read_train_state(latest) if latest else None
+    if latest:
+        _check_config_change(rc, stages, latest, latest_state, run_dir, env.rank)
+    if env.rank == 0:
+        with open(os.path.join(run_dir, "config.yaml"), "w") as f:
+            f.write(config_yaml)
+    dist.barrier()
+    log_path = routing.to_file(run_dir, env.rank)
     begin = where_to_begin(stages, rc.curriculum, latest_state)
     todo = [] if begin.done else stages[begin.stage:begin.last + 1]
     resolved = OmegaConf.to_container(OmegaConf.create(config_yaml), resolve=True)
@@ -149,10 +145,14 @@ def run(rc: RunConfig, config_yaml: str) -> dict:
                        latest_state.get("wandb_run_id") if latest_state else None, env.rank)
     ctx = RunContext(env, run_dir, config_yaml, backend, sink, preemption,
                      faults.NonFinitePolicy(rc.faults))
-    metrics_path = os.path.join(run_dir, "metrics.jsonl")
+    if env.rank == 0:
+        start = console.start_text(begin.how, latest, latest_state, rc.checkpoint.init_from, begin.done)
+        console.say(*console.banner(rc, todo, env.world_size, backend, run_dir, log_path,
+                                    sink.wandb_where, start))
     how = begin.how
     for i, st in enumerate(todo):
         last = i == len(todo) - 1
+        sink.event(console.stage_line(st, len(stages), how))
         run_stage(st, how, latest, ctx, save_final=rc.checkpoint.save_at_end or not last)
         release_cached_modules()
         gc.collect()  # the finished stage's model, grad buffers and optimizer, before the next
@@ -175,22 +175,36 @@ def run(rc: RunConfig, config_yaml: str) -> dict:
         "stages": stage_summaries(history),
         "world_size": env.world_size,
         "preempted": ctx.preempted,
+        "skipped_steps": sum(1 for rec in history if rec.get("skipped")),
+        "diverged": faults.divergence(history, rc.faults) if history else None,
     }
+    if env.rank == 0:
+        console.say(*console.summary_lines(summary, time.time() - started))
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     dist.barrier()
     dist.destroy_process_group()
+    if lock is not None:
+        lock.release()
+    routing.close()
     return summary
 
 
 @hydra.main(version_base=None, config_path="../conf", config_name="config")
 def main(cfg: DictConfig) -> None:
+    from hydra.core.hydra_config import HydraConfig
+
+    from pretrain.overrides import changed_fields
+
     rc = to_run_config(cfg)
-    summary = run(rc, OmegaConf.to_yaml(cfg, resolve=True))
+    changes = changed_fields(list(HydraConfig.get().overrides.task), compose, CONF_DIR, full=cfg)
+    summary = run(rc, OmegaConf.to_yaml(cfg, resolve=True), changes)
     if int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", 0))) == 0:
         print(json.dumps(summary), flush=True)
     if summary["preempted"]:
         raise SystemExit(faults.PREEMPTED_EXIT)  # slurm/pretrain.sh requeues the job
+    if summary["diverged"]:
+        raise SystemExit(f"error: {summary['diverged']}")
 
 
 if __name__ == "__main__":

@@ -18,30 +18,27 @@ from pretrain.faults import FaultsConfig, NonFinitePolicy, PreemptionSignal, che
 
 
 def test_config_problems_name_fields_and_values():
-    problems = check(FaultsConfig(reload_after_bad_steps=-1, max_reloads=-2,
-                                  poison_loss_at_steps=[0, 3, 9]), steps=5)
+    problems = check(FaultsConfig(reload_after_bad_steps=-1, max_reloads=-2))
     assert problems == [
         "faults.reload_after_bad_steps=-1 must be >= 0",
         "faults.max_reloads=-2 must be >= 0",
-        "faults.poison_loss_at_steps=[0, 3, 9] has steps outside 1..5 (the run's steps): [0, 9]",
     ]
-    assert check(FaultsConfig(poison_loss_at_steps=[1, 5]), steps=5) == []
+    assert check(FaultsConfig(reload_after_bad_steps=0, max_reloads=0)) == []
 
 
 def test_bad_faults_config_fails_before_compute():
     from hydra import compose, initialize_config_dir
 
     from pretrain.config import register, to_run_config
-    from pretrain.train import ConfigError, plan_run
+    from pretrain.validation import ConfigError, plan_run
     from tests.launch import REPO
 
     register()
     with initialize_config_dir(config_dir=os.path.join(REPO, "conf"), version_base=None):
         cfg = compose("config", overrides=["faults.reload_after_bad_steps=-3", "trainer.steps=14",
-                                           "curriculum=none", "faults.poison_loss_at_steps=[17]"])
-    with pytest.raises(ConfigError, match=r"faults.reload_after_bad_steps=-3 must be >= 0") as e:
+                                           "curriculum=none"])
+    with pytest.raises(ConfigError, match=r"faults.reload_after_bad_steps=-3 must be >= 0"):
         plan_run(to_run_config(cfg), world_size=1)
-    assert "faults.poison_loss_at_steps=[17] has steps outside 1..14 (the run's steps)" in str(e.value)
 
 
 # --- preemption flag ------------------------------------------------------------------------------
@@ -76,11 +73,6 @@ def test_reload_after_n_bad_steps_in_a_row():
 def test_zero_means_only_skip():
     policy = NonFinitePolicy(FaultsConfig(reload_after_bad_steps=0))
     assert not any(policy.should_reload(True, s) for s in range(1, 50))
-
-
-def test_poison_steps():
-    policy = NonFinitePolicy(FaultsConfig(poison_loss_at_steps=[3]))
-    assert [policy.poison(s) for s in (2, 3, 4)] == [False, True, False]
 
 
 # --- checkpoint integrity ---------------------------------------------------------------------------
@@ -118,7 +110,7 @@ def test_damaged_latest_falls_back_to_previous_with_warning(tmp_path, caplog, da
     damage(newer)
     with caplog.at_level(logging.WARNING, logger="pretrain.checkpoint"):
         assert checkpoint.latest_checkpoint(str(tmp_path)) == str(older)
-    assert f"checkpoint fallback to {older}: iter_0000004: {why}" in caplog.text
+    assert f"resuming from {older}, the newest complete checkpoint: iter_0000004: {why}" in caplog.text
 
 
 def test_dangling_latest_and_uncommitted_folders(tmp_path, caplog):
@@ -127,11 +119,13 @@ def test_dangling_latest_and_uncommitted_folders(tmp_path, caplog):
     (tmp_path / "iter_0000011.tmp").mkdir()  # a save that never finished
     with caplog.at_level(logging.WARNING, logger="pretrain.checkpoint"):
         assert checkpoint.latest_checkpoint(str(tmp_path)) == str(older)
-    assert "iter_0000009: folder is missing" in caplog.text
+    assert "latest names iter_0000009, which is missing" in caplog.text
     newer = _fake_checkpoint(tmp_path, 6)
-    (tmp_path / "latest").write_text(older.name)  # crash after the rename, before `latest`
-    assert checkpoint.latest_checkpoint(str(tmp_path)) == str(older)
-    assert checkpoint.verify(str(newer)) is None
+    (tmp_path / "latest").write_text(older.name)  # crash after the rename, before `latest`:
+    caplog.clear()  # the folder is complete (renamed only after its manifest), so it counts
+    with caplog.at_level(logging.WARNING, logger="pretrain.checkpoint"):
+        assert checkpoint.latest_checkpoint(str(tmp_path)) == str(newer)
+    assert f"resuming from {newer}, the newest complete checkpoint: latest names iter_0000002" in caplog.text
 
 
 def test_no_checkpoint_and_all_damaged(tmp_path):
