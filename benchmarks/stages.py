@@ -24,7 +24,7 @@ from tests.launch import read_metrics, run_train  # noqa: E402
 
 def curriculum(stages: int, steps: int) -> str:
     stage = ("{{name: stage_{i}, steps: %d, seq_length: 128, global_batch_size: 16, "
-             "micro_batch_size: 4, lr: {{peak: 1.0e-3, end: 1.0e-3, style: constant}}, "
+             "micro_batch_size: 4, lr: {{peak: 1.0e-3, end: 1.0e-3, style: constant, warmup_steps: 0}}, "
              "mixture: default, dsa_mode: dense}}") % steps
     lines = ["stages:"] + [f"  - {stage.format(i=i + 1)}" for i in range(stages)]
     return "\n".join(lines + ["start: null", "only: null", "plot: false", ""])

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from data_pipeline.config import DataConfig, DataConfigError, active_weights, split_vector, validate_data
+from data_pipeline.config import DataConfig, DataConfigError, active_weights, split_vector
 
 
 class MixtureDataset(torch.utils.data.Dataset):
@@ -143,8 +143,7 @@ def build_datasets(cfg: DataConfig, seq_length: int, seed: int, run_dir: str, vo
     from data_pipeline.fsutil import file_digest, fingerprint
     from data_pipeline.gpt_corpus import CorpusDataset, CorpusDatasetConfig, TokenizerInfo
 
-    validate_data(cfg, vocab_size)
-    outputs = _prepared(cfg)
+    outputs = _prepared(cfg)  # the config was validated before any compute (pretrain.validation)
     _check_splits(outputs, cfg.split)
     weights = active_weights(cfg)
     prefixes, shard_weights, owners, layouts = [], [], [], {}
@@ -158,7 +157,7 @@ def build_datasets(cfg: DataConfig, seq_length: int, seed: int, run_dir: str, vo
             layouts[prefix] = cfg.corpora[name].packing
     tok_path = tokenizer.resolve(cfg)
     info = TokenizerInfo(tok_path, cfg.tokenizer.eod_token, cfg.tokenizer.pad_token, file_digest(tok_path))
-    if info.vocab_size > vocab_size:
+    if info.vocab_size > vocab_size:  # the tokenizer file actually prepared, not the config's
         raise DataConfigError(f"model.vocab_size={vocab_size} is smaller than the tokenizer's vocabulary "
                               f"({info.vocab_size}, {tok_path})")
     has_valid = split_vector(cfg.split)[1] > 0

@@ -197,7 +197,7 @@ def _check_stage(s: StageConfig, st: Stage, where: str) -> list:
     if opt.min_lr < 0 or sch.init_lr < 0:
         p.append(f"{name('lr.end', 'optimizer.min_lr')}={opt.min_lr} and "
                  f"{name('lr.init', 'scheduler.init_lr')}={sch.init_lr} must be >= 0")
-    if sch.warmup_steps < 0 or (st.steps and sch.warmup_steps >= st.steps and sch.style != "constant"):
+    if sch.warmup_steps < 0 or (st.steps and sch.warmup_steps >= st.steps):  # megatron asserts it
         p.append(f"{name('lr.warmup_steps', 'scheduler.warmup_steps')}={sch.warmup_steps} must be in "
                  f"[0, the stage's {st.steps} steps)")
     for pattern in s.trainable:

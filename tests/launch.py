@@ -19,6 +19,14 @@ QUIET = ["logger.wandb.mode=disabled", "logger.progress_bar=false", "scheduler.w
          "curriculum=none"]
 
 
+def quiet(overrides: list[str]) -> list[str]:
+    """QUIET for ``overrides``: a run that names a curriculum keeps its stages' own schedules
+    (an override of a field every stage sets would be refused as reaching no stage)."""
+    if any(o.startswith("curriculum=") and o != "curriculum=none" for o in overrides):
+        return [o for o in QUIET if not o.startswith(("scheduler.warmup_steps=", "curriculum="))]
+    return QUIET
+
+
 def train_command(overrides: list[str], nproc: int = 1) -> list[str]:
     if nproc == 1:
         return [sys.executable, "-m", "pretrain.train", *overrides]
@@ -37,7 +45,7 @@ def train_env(nproc: int) -> dict:
 
 def run_train(overrides: list[str], nproc: int = 1, timeout: int = 600) -> dict:
     """Run to completion; return the JSON summary (the last stdout line). Fails with the output."""
-    proc = subprocess.run(train_command([*QUIET, *overrides], nproc), cwd=REPO, env=train_env(nproc),
+    proc = subprocess.run(train_command([*quiet(overrides), *overrides], nproc), cwd=REPO, env=train_env(nproc),
                           capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
         raise AssertionError(f"training failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
@@ -98,7 +106,7 @@ def _kill_tree(proc) -> None:
 def kill_after_checkpoint(overrides: list[str], latest_file, wanted: str, nproc: int = 1,
                           timeout: int = 600) -> None:
     """Start a run and SIGKILL all of it as soon as ``latest_file`` names checkpoint ``wanted``."""
-    proc = subprocess.Popen(train_command([*QUIET, *overrides], nproc), cwd=REPO, env=train_env(nproc),
+    proc = subprocess.Popen(train_command([*quiet(overrides), *overrides], nproc), cwd=REPO, env=train_env(nproc),
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + timeout
     try:

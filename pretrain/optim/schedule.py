@@ -49,7 +49,7 @@ def check_schedule(sched: SchedulerConfig, opt: OptimizerConfig, steps: int) -> 
     if sched.warmup_steps < 0:
         p.append(f"scheduler.warmup_steps={sched.warmup_steps} must be >= 0")
     decay = sched.decay_steps or steps
-    if sched.style != "constant" and steps > 0 and decay <= sched.warmup_steps:
+    if steps > 0 and decay <= sched.warmup_steps:  # megatron asserts it for every style
         p.append(
             f"scheduler.decay_steps={decay} must exceed scheduler.warmup_steps={sched.warmup_steps}"
         )

@@ -16,9 +16,9 @@ stages:
   - {name: short, steps: 2, seq_length: 64, global_batch_size: 4, micro_batch_size: 2,
      lr: {init: 0.0, peak: 2.0e-3, end: 1.0e-3, warmup_steps: 1, style: cosine}, dsa_mode: dense}
   - {name: longer, steps: 2, seq_length: 128, global_batch_size: 4, micro_batch_size: 2,
-     lr: {peak: 1.0e-3, end: 5.0e-4, style: linear}}
+     lr: {peak: 1.0e-3, end: 5.0e-4, style: linear, warmup_steps: 0}}
   - {name: indexer_warmup, steps: 3, seq_length: 128, global_batch_size: 4, micro_batch_size: 2,
-     lr: {peak: 5.0e-3, end: 1.0e-3, style: linear}, dsa_mode: warmup, optimizer_state: reset}
+     lr: {peak: 5.0e-3, end: 1.0e-3, style: linear, warmup_steps: 0}, dsa_mode: warmup, optimizer_state: reset}
 start: null
 only: null
 plot: true
@@ -105,9 +105,9 @@ def test_stage_with_another_parallel_layout_continues_the_weights(conf_dir, tmp_
 LONG_CP = """
 stages:
   - {name: short, steps: 2, seq_length: 128, global_batch_size: 4, micro_batch_size: 2,
-     lr: {peak: 2.0e-3, end: 1.0e-3, style: linear}, dsa_mode: dense}
+     lr: {peak: 2.0e-3, end: 1.0e-3, style: linear, warmup_steps: 0}, dsa_mode: dense}
   - {name: long_cp2, steps: 2, seq_length: 4096, global_batch_size: 2, micro_batch_size: 1,
-     lr: {peak: 1.0e-3, end: 5.0e-4, style: linear}, mixture: long_context, dsa_mode: sparse,
+     lr: {peak: 1.0e-3, end: 5.0e-4, style: linear, warmup_steps: 0}, mixture: long_context, dsa_mode: sparse,
      optimizer_state: reset, parallel: {cp: 2}}
 start: null
 only: null

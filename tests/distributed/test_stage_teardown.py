@@ -8,18 +8,18 @@ import sys
 
 import pytest
 
-from tests.launch import QUIET, REPO, free_port, train_env
+from tests.launch import REPO, free_port, quiet, train_env
 
 STAGES = """
 stages:
   - {name: dp2_a, steps: 1, seq_length: 64, global_batch_size: 4, micro_batch_size: 2,
-     lr: {peak: 1.0e-3, end: 1.0e-3, style: constant}, dsa_mode: dense}
+     lr: {peak: 1.0e-3, end: 1.0e-3, style: constant, warmup_steps: 0}, dsa_mode: dense}
   - {name: tp2_a, steps: 1, seq_length: 64, global_batch_size: 4, micro_batch_size: 2,
-     lr: {peak: 1.0e-3, end: 1.0e-3, style: constant}, parallel: {tp: 2, sequence_parallel: true}}
+     lr: {peak: 1.0e-3, end: 1.0e-3, style: constant, warmup_steps: 0}, parallel: {tp: 2, sequence_parallel: true}}
   - {name: tp2_b, steps: 1, seq_length: 64, global_batch_size: 4, micro_batch_size: 2,
-     lr: {peak: 1.0e-3, end: 1.0e-3, style: constant}, parallel: {tp: 2, sequence_parallel: true}}
+     lr: {peak: 1.0e-3, end: 1.0e-3, style: constant, warmup_steps: 0}, parallel: {tp: 2, sequence_parallel: true}}
   - {name: dp2_b, steps: 1, seq_length: 64, global_batch_size: 4, micro_batch_size: 2,
-     lr: {peak: 1.0e-3, end: 1.0e-3, style: constant}}
+     lr: {peak: 1.0e-3, end: 1.0e-3, style: constant, warmup_steps: 0}}
 start: null
 only: null
 plot: false
@@ -33,7 +33,7 @@ def probes(tmp_path_factory):
     (root / "conf" / "curriculum" / "four.yaml").write_text(STAGES)
     run_dir = root / "run"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
-           f"--master-port={free_port()}", "-m", "tests.distributed.stage_probe", *QUIET,
+           f"--master-port={free_port()}", "-m", "tests.distributed.stage_probe", *quiet(["curriculum=four"]),
            f"hydra.searchpath=[file://{root / 'conf'}]", "curriculum=four",
            f"trainer.run_dir={run_dir}", "checkpoint.save_at_end=false"]
     proc = subprocess.run(cmd, cwd=REPO, env=train_env(2), capture_output=True, text=True, timeout=600)

@@ -117,6 +117,10 @@ def test_same_stream_stages_continue_their_data():
      "curriculum.stages[6] (dsa_sparse).optimizer_state=carry, but it trains other parameters than 'dsa_warmup'"),
     (["curriculum.stages.5.lr.warmup_steps=8"],
      "curriculum.stages[5] (dsa_warmup).lr.warmup_steps=8 must be in [0, the stage's 8 steps)"),
+    (["curriculum.stages.6.lr.warmup_steps=6"],  # constant too: megatron's scheduler asserts it
+     "curriculum.stages[6] (dsa_sparse).lr.warmup_steps=6 must be in [0, the stage's 6 steps)"),
+    (["curriculum.stages.6.lr.warmup_steps=null", "scheduler.warmup_steps=6"],
+     "scheduler.warmup_steps (for curriculum.stages[6] (dsa_sparse))=6 must be in [0, the stage's 6 steps)"),
     (["curriculum.stages.1.name=pretrain_general"],
      "curriculum.stages: the name 'pretrain_general' is used more than once"),
     (["curriculum.only=extend_2048"], "curriculum.only='extend_2048' is not a stage"),
