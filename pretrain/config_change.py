@@ -7,7 +7,8 @@ that alters the training is an error listing each field with both values, unless
 ``checkpoint.allow_config_change=true``, which records the change in
 ``<run_dir>/config_history.jsonl``. What does not alter the training may change freely: the
 parallel layout (checkpoints reshard), layer backend and recomputation, logging, checkpointing,
-fault handling, validation, preprocessing resources and where the data lives. Stages not yet
+fault handling, validation, preprocessing workers (not the shard count: other shards give
+another sample order) and where the data lives. Stages not yet
 begun may change too.
 
 Extending a finished run (the last stage's ``steps`` / ``trainer.steps`` raised after it
@@ -27,7 +28,7 @@ from typing import Any, Optional
 #: run-config fields that alter the training (prefixes); EXEMPT narrows them
 ALTERS = ("model.", "precision.", "optimizer.", "scheduler.", "trainer.seq_length",
           "trainer.global_batch_size", "trainer.seed", "steps", "data.mixture", "data.active_mixture.",
-          "data.active_corpora.", "data.split", "data.eod_mask_loss", "data.sample_seed",
+          "data.active_corpora.", "data.shards_per_corpus", "data.split", "data.eod_mask_loss", "data.sample_seed",
           "data.tokenizer.", "data.chat.")
 EXEMPT = ("model.layer_backend", "model.recompute", "model.recompute_modules",
           "scheduler.decay_steps")  # decay_steps follows the stage's steps, compared as ``steps``
@@ -48,11 +49,14 @@ def _flatten(value: Any, prefix: str, out: dict) -> dict:
 
 def _training_fields(stage) -> dict:
     """The fields of one resolved stage that decide what it trains, flattened."""
+    from data_pipeline.preprocess import num_tasks
+
     rc = stage.rc
     active = rc.data.mixtures.get(rc.data.mixture, {})
     data = {k: getattr(rc.data, k) for k in ("mixture", "split", "eod_mask_loss", "sample_seed",
                                               "tokenizer", "chat")}
     data["active_mixture"] = dict(active)
+    data["shards_per_corpus"] = num_tasks(rc.data)  # other shards: another blended sample order
     data["active_corpora"] = {
         name: {k: v for k, v in dataclasses.asdict(rc.data.corpora[name]).items() if k not in EXEMPT_CORPUS_FIELDS}
         for name in sorted(active) if name in rc.data.corpora}

@@ -27,7 +27,8 @@ def test_run_mechanics_may_change():
     old = _stages("curriculum=none")
     new = _stages("curriculum=none", "parallel.tp=2", "parallel.sequence_parallel=true",
                   "logger.log_every=5", "checkpoint.save_every=3", "trainer.eval_every=10",
-                  "model.recompute=full", "data.preprocess.workers=4", "faults.max_reloads=1",
+                  "model.recompute=full", "data.preprocess.tasks=2", "data.preprocess.workers=4",
+                  "faults.max_reloads=1",
                   "trainer.micro_batch_size=2", "data.cache_dir=/tmp/elsewhere")
     assert training_changes(old, new, "pretrain", 30) == []
 
@@ -55,3 +56,9 @@ def test_curriculum_stages_begun_are_compared_and_later_ones_may_change():
     assert training_changes(old, gone, "extend_256", 3)[0] == (
         "stage 'pretrain_code_reasoning': the checkpoint trained this stage; the new config has no "
         "stage of that name")
+
+
+def test_another_shard_count_is_another_sample_order():
+    old = _stages("curriculum=none")  # tasks 0 = one shard per worker (2)
+    assert training_changes(old, _stages("curriculum=none", "data.preprocess.workers=4"), "pretrain", 3) == [
+        "data.shards_per_corpus: 2 in the checkpoint -> 4 now"]
