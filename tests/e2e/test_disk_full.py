@@ -22,10 +22,10 @@ def test_the_cause_is_found_inside_torch_checkpoint_failures(tmp_path):
     try:
         raise RuntimeError("Worker failure") from wrapped
     except RuntimeError as e:
-        msg = checkpoint._save_failure(str(tmp_path / "iter_0000004"), str(tmp_path / "iter_0000004.tmp"), e)
+        msg = checkpoint.save_failure(str(tmp_path / "iter_0000004"), str(tmp_path / "iter_0000004.tmp"), e)
     assert msg.startswith(f"saving checkpoint {tmp_path / 'iter_0000004'} failed: no space left on device; ")
     assert "GiB free of" in msg and "iter_0000004.tmp was removed" in msg
-    perm = checkpoint._save_failure("/c/iter_1", "/c/iter_1.tmp", PermissionError(errno.EACCES, "Permission denied", "/c"))
+    perm = checkpoint.save_failure("/c/iter_1", "/c/iter_1.tmp", PermissionError(errno.EACCES, "Permission denied", "/c"))
     assert perm.startswith("saving checkpoint /c/iter_1 failed: Permission denied (/c)")
 
 

@@ -21,7 +21,7 @@ def test_a_damaged_latest_is_a_hint_the_scan_overrules(tmp_path, caplog, content
     _fake_checkpoint(tmp_path, 2)
     newest = _fake_checkpoint(tmp_path, 10)  # step 10 sorts after 2 by number, not as text
     (tmp_path / "latest").write_bytes(content)
-    with caplog.at_level(logging.WARNING, logger="pretrain.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="pretrain.checkpoint_files"):
         assert checkpoint.latest_checkpoint(str(tmp_path)) == str(newest)
     assert f"resuming from {newest}, the newest complete checkpoint: {tmp_path / 'latest'} {why}" in caplog.text
 
@@ -39,3 +39,11 @@ def test_latest_naming_a_folder_that_is_gone_with_no_folders_left_is_an_error(tm
     (tmp_path / "latest").write_text("iter_0000004")
     with pytest.raises(RuntimeError, match=r"latest names iter_0000004, but .* holds no checkpoint folder"):
         checkpoint.latest_checkpoint(str(tmp_path))
+
+
+def test_retention_keeps_the_newest_by_step_and_leaves_other_folders_alone(tmp_path):
+    for step in (998, 999, 1000):
+        _fake_checkpoint(tmp_path, step)
+    (tmp_path / "iter_backup").mkdir()  # a user's folder: not a checkpoint, never removed
+    checkpoint.apply_retention(str(tmp_path), keep_last=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["iter_0000999", "iter_0001000", "iter_backup", "latest"]
