@@ -1,10 +1,12 @@
 """A preprocessed corpus is checked before use, never trusted.
 
 ``stats.json`` carries a manifest, written before the folder is renamed complete: every shard
-file's size and a sha256 of each ``.idx`` (small: 12 bytes per document). :func:`verify` compares
-the folder with it and with what megatron's own index reader implies: the ``.bin`` size from the
-last sequence pointer and length, and the document and token counts of the shard's stats. It
-reads the ``.idx`` files and only stats the ``.bin`` files, so it is cheap enough for every run.
+file's size, and a sha256 and mtime of each ``.idx``. :func:`verify` compares the folder with it
+and with what megatron's own index reader implies: the ``.bin`` size from the last sequence
+pointer and length (every run: a stat and a few bytes of the memory-mapped index) and, when an
+``.idx`` changed since the manifest was written (another mtime), its sha256, the document and
+token counts of the shard's stats and the loss-mask sidecar's lengths. At GLM-5 scale an index
+holds ~20 bytes per document (tens of GB): it is read whole only when it may have changed.
 A damaged folder is moved aside by :func:`set_aside` (renamed, never deleted).
 """
 
@@ -37,14 +39,16 @@ def manifest(folder: str, shards: list[dict]) -> dict:
     for shard in shards:
         for name in shard_files(shard):
             path = os.path.join(folder, name)
-            files[name] = {"bytes": os.path.getsize(path)}
+            st = os.stat(path)
+            files[name] = {"bytes": st.st_size}
             if name.endswith(".idx"):
-                files[name]["sha256"] = file_digest(path)
+                files[name].update(sha256=file_digest(path), mtime_ns=st.st_mtime_ns)
     return {"version": MANIFEST_VERSION, "files": files}
 
 
-def verify(folder: str) -> list[str]:
-    """Every problem found in a finished corpus folder, each naming its file; [] = intact."""
+def verify(folder: str, deep: bool = False) -> list[str]:
+    """Every problem found in a finished corpus folder, each naming its file; [] = intact.
+    ``deep``: read every index whole even when unchanged since the manifest (a fresh build)."""
     stats_path = os.path.join(folder, "stats.json")
     try:
         with open(stats_path) as f:
@@ -64,7 +68,7 @@ def verify(folder: str) -> list[str]:
                     for p in _check_file(folder, name, files.get(name))]
         if problems:  # an index is only parsed once it is known to be whole
             return problems
-        return [p for shard in shards for p in _check_shard(folder, shard)]
+        return [p for shard in shards for p in _check_shard(folder, shard, deep or _changed(folder, shard, files))]
     except (KeyError, TypeError, AttributeError) as e:
         return [f"{stats_path} is malformed ({type(e).__name__}: {e})"]
 
@@ -79,43 +83,54 @@ def _check_file(folder: str, name: str, entry: dict | None) -> list[str]:
         return [f"{path} is missing"]
     if size != entry["bytes"]:
         return [f"{path} is {size} bytes, the manifest says {entry['bytes']}"]
-    digest = file_digest(path) if "sha256" in entry else None
-    if digest != entry.get("sha256"):
-        return [f"{path} has sha256 {digest}, the manifest says {entry['sha256']}"]
+    if "sha256" in entry and os.stat(path).st_mtime_ns != entry.get("mtime_ns"):
+        digest = file_digest(path)
+        if digest != entry["sha256"]:
+            return [f"{path} has sha256 {digest}, the manifest says {entry['sha256']}"]
     return []
 
 
-def _read_index(path: str):
-    """(sequence lengths, bytes the ``.bin`` must have) through megatron's own index reader."""
+def _changed(folder: str, shard: dict, files: dict) -> bool:
+    """Whether an index of ``shard`` may differ from when the manifest was written."""
+    return any(os.stat(os.path.join(folder, n)).st_mtime_ns != files[n].get("mtime_ns")
+               for n in shard_files(shard) if n.endswith(".idx"))
+
+
+def _read_index(path: str, deep: bool):
+    """(bytes the ``.bin`` must have, tokens, sequences, documents, sequence lengths or None)
+    through megatron's own index reader. Sequences are stored back to back, so the last pointer
+    and length give the ``.bin`` size and the token count; the lengths are read whole (a copy:
+    the reader unmaps them when it goes) only when ``deep``."""
     from megatron.core.datasets.indexed_dataset import _IndexReader
 
     index = _IndexReader(path, multimodal=False)
-    try:
-        lengths = np.array(index.sequence_lengths, dtype=np.int64)
-        end = int(index.sequence_pointers[-1]) + int(lengths[-1]) * index.dtype_size if len(lengths) else 0
-        return lengths, end, index.document_count
-    finally:
-        del index
+    n = len(index.sequence_lengths)
+    end = int(index.sequence_pointers[-1]) + int(index.sequence_lengths[-1]) * index.dtype_size if n else 0
+    lengths = np.array(index.sequence_lengths, dtype=np.int64) if deep else None
+    return end, end // index.dtype_size, n, index.document_count, lengths
 
 
-def _check_shard(folder: str, shard: dict) -> list[str]:
+def _check_shard(folder: str, shard: dict, deep: bool) -> list[str]:
+    """The shard's files against its stats and each other; ``deep`` also compares the loss-mask
+    sidecar's sequence lengths with the tokens' (reading both indexes whole)."""
     problems, lengths_of = [], {}
     for suffix in ("", MASK_SUFFIX) if shard["loss_mask"] else ("",):
         prefix = os.path.join(folder, shard["prefix"] + suffix)
         try:
-            lengths, end, documents = _read_index(prefix + ".idx")
+            end, tokens, sequences, documents, lengths = _read_index(prefix + ".idx", deep)
         except Exception as e:  # noqa: BLE001  (megatron asserts or numpy raises on a bad index)
             problems.append(f"{prefix}.idx cannot be read by megatron ({type(e).__name__}: {e})")
             continue
-        lengths_of[suffix] = lengths
         size = os.path.getsize(prefix + ".bin")
         if size != end:
             problems.append(f"{prefix}.bin is {size} bytes, its index {prefix}.idx implies {end}")
-        if len(lengths) != shard["documents"] or documents != shard["documents"] + 1:
-            problems.append(f"{prefix}.idx holds {len(lengths)} sequences in {documents - 1} documents, "
+        if sequences != shard["documents"] or documents != shard["documents"] + 1:
+            problems.append(f"{prefix}.idx holds {sequences} sequences in {documents - 1} documents, "
                             f"stats.json says {shard['documents']} documents")
-        if int(lengths.sum()) != shard["tokens"]:
-            problems.append(f"{prefix}.idx holds {int(lengths.sum())} tokens, stats.json says {shard['tokens']}")
+        if tokens != shard["tokens"]:
+            problems.append(f"{prefix}.idx holds {tokens} tokens, stats.json says {shard['tokens']}")
+        if deep:
+            lengths_of[suffix] = lengths
     if len(lengths_of) == 2 and not np.array_equal(*lengths_of.values()):
         problems.append(f"{os.path.join(folder, shard['prefix'] + MASK_SUFFIX)}.idx: sequence lengths differ "
                         f"from {shard['prefix']}.idx")

@@ -127,7 +127,7 @@ def finalize(name: str, work_dir: str, tasks: int, files: list[str]) -> dict:
     stats = {"corpus": name, **totals, "loss_mask": shards[0]["loss_mask"], "shards": shards,
              "inputs": len(files), "manifest": manifest(work_dir, shards)}
     write_json_atomic(os.path.join(work_dir, "stats.json"), stats)
-    problems = verify(work_dir)
+    problems = verify(work_dir, deep=True)  # a fresh build: everything, once
     if problems:
         raise CorpusDamaged(f"corpus {name!r}: the shards just written are inconsistent:\n  - "
                             + "\n  - ".join(problems))

@@ -66,15 +66,9 @@ def banner(rc, stages: list, world_size: int, backend: str, run_dir: str, log_pa
            wandb_where: str, start: str) -> list[str]:
     """The run at a glance. ``stages``: the :class:`pretrain.curriculum.Stage` list this run
     executes; ``start``: where it begins (:func:`start_text`)."""
-    from parallel.config import check_layout
-
     first = stages[0].rc if stages else rc  # the layout the run starts with; stages note changes
-    m, t = first.model, first.trainer
-    layout, _ = check_layout(first.parallel, world_size=world_size, num_layers=m.num_layers,
-                             num_attention_heads=m.num_attention_heads, num_experts=m.num_experts,
-                             seq_length=t.seq_length, micro_batch_size=t.micro_batch_size,
-                             global_batch_size=t.global_batch_size)
-    dp = layout.dp if layout is not None else "?"
+    m, p = first.model, first.parallel
+    dp = world_size // (p.tp * p.pp * p.cp)  # plan_run validated it
     preset = _preset("model")
     size = model_size(m, first.parallel.tp)
     tokens = sum(st.steps * st.tokens_per_step for st in stages)

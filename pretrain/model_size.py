@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from model_providers.glm5.config import GLM5Config
+from model_providers.glm5.flops import attention_matmul_params
 
 
 @dataclass(frozen=True)
@@ -17,12 +18,7 @@ class ModelSize:
 
 def _attention(m: GLM5Config) -> int:
     """MLA (low-rank q and kv, their norms) + the DSA lightning indexer."""
-    qk = m.qk_nope_head_dim + m.qk_rope_head_dim
-    mla = (m.hidden_size * m.q_lora_rank + m.q_lora_rank
-           + m.q_lora_rank * m.num_attention_heads * qk
-           + m.hidden_size * (m.kv_lora_rank + m.qk_rope_head_dim) + m.kv_lora_rank
-           + m.kv_lora_rank * m.num_attention_heads * (m.qk_nope_head_dim + m.v_head_dim)
-           + m.num_attention_heads * m.v_head_dim * m.hidden_size)
+    mla = attention_matmul_params(m) + m.q_lora_rank + m.kv_lora_rank  # + the q/kv latent norms
     d = m.dsa
     indexer = (d.index_heads * d.index_head_dim * m.q_lora_rank + d.index_head_dim * m.hidden_size
                + 2 * d.index_head_dim + d.index_heads * m.hidden_size)

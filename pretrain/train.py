@@ -106,6 +106,7 @@ def run(rc: RunConfig, config_yaml: str, changes=()) -> dict:
     from pretrain.stage import RunContext, run_stage
 
     env = dist_env()
+    routing.rank = env.rank  # ranks > 0 keep our lines off the console from the start
     stages = plan_run(rc, env.world_size, changes)
     if env.rank == 0:
         for note in override_notes(rc, stages, changes):

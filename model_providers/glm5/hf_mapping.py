@@ -206,14 +206,15 @@ class HFReader:
         """Whether two stored 2-D tensors are equal, compared ``block`` rows at a time."""
         from safetensors import safe_open
 
-        with self._reading(self.where[a], a), self._reading(self.where[b], b), \
-                safe_open(os.path.join(self.path, self.where[a]), "pt") as fa, \
-                safe_open(os.path.join(self.path, self.where[b]), "pt") as fb:
-            sa, sb = fa.get_slice(a), fb.get_slice(b)
-            if sa.get_shape() != sb.get_shape():
-                return False
-            return all(torch.equal(sa[i:i + block], sb[i:i + block])
-                       for i in range(0, sa.get_shape()[0], block))
+        with self._reading(self.where[a], a), safe_open(os.path.join(self.path, self.where[a]), "pt") as fa:
+            sa = fa.get_slice(a)
+            with self._reading(self.where[b], b), \
+                    safe_open(os.path.join(self.path, self.where[b]), "pt") as fb:  # each error names its own
+                sb = fb.get_slice(b)
+                if sa.get_shape() != sb.get_shape():
+                    return False
+                return all(torch.equal(sa[i:i + block], sb[i:i + block])
+                           for i in range(0, sa.get_shape()[0], block))
 
 
 _DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64,

@@ -75,6 +75,8 @@ def roll_with_sequence_count(tensor, shifts=-1, dims=-1, cp_group=None, packed_s
                                           packed_seq_params=packed_seq_params)
     if not torch.is_tensor(count):
         return rolled, max(count, 1)
+    if not tensor.is_floating_point():  # the int labels: megatron discards their count
+        return rolled, count
     cp = cp_group.size() if cp_group is not None and packed_seq_params is None else 1
     if cp > 1:
         count = count.detach().clone()
