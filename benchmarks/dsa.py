@@ -1,9 +1,17 @@
-"""One attention layer, forward + backward (indexer KL included), fp32, batch 1: our DSA
-(sparse mode) vs dense causal SDPA (our layer in dense mode) vs megatron-core 0.16.1's
-DSAttention. 16 heads, qk 192 + 64, v 256, q/kv LoRA 512, indexer 8 x 128, hidden 512, top-k
-2048. Each (variant, L) runs in its own process so peak RSS is its own.
+"""One attention layer, forward + backward (indexer KL included), fp32, batch 1: our DSA in
+sparse and warm-up mode against dense causal SDPA (our layer in dense mode), with a per-component
+breakdown of where DSA's time goes, and optionally megatron-core 0.16.1's DSAttention. 16 heads,
+qk 192 + 64, v 256, q/kv LoRA 512, indexer 8 x 128, hidden 512, top-k 2048. Each (variant, L)
+runs in its own process so peak RSS is its own.
 
-    .venv/bin/python benchmarks/dsa.py [--lengths 4096 8192 16384]
+A DSA process times one clean step (ours_s, peak RSS), then a second step under torch.profiler
+whose events are attributed to components: forward scopes the benchmark wraps around the DSA
+functions, backward by autograd node, the rest (MLA projections, absorption, glue) together. The
+parts must sum to within 10% of the clean step (printed). The sparse process also times a plain
+GEMM of the sparse core's shape (one chunk of queries' scores), the machine's ceiling for it.
+
+    .venv/bin/python benchmarks/dsa.py [--lengths 8192 16384 32768] [--modes sparse warmup]
+                                       [--warmup-max 16384] [--megatron] [--json PATH]
 """
 
 from __future__ import annotations
@@ -86,6 +94,119 @@ def _our_layer(cfg, mode: str):
     return build_module(spec, config=cfg, layer_number=1)
 
 
+PARTS = ("indexer projection", "indexer scoring", "top-k", "sparse forward", "sparse backward",
+         "indexer KL (value + gradients)", "KL backward", "dense attention forward",
+         "dense attention backward", "other (MLA projections, absorption, glue)")
+_OTHER = PARTS[-1]
+_BACKWARD_NODES = {"SparseLatentAttentionBackward": "sparse backward",
+                   "_KLWithEagerGradientsBackward": "KL backward",
+                   "ScaledDotProductFlashAttentionForCpuBackward0": "dense attention backward"}
+
+
+def _scoped(fn, name):
+    import torch
+
+    def wrapped(*args, **kwargs):
+        with torch.profiler.record_function("dsa::" + name):
+            return fn(*args, **kwargs)
+    return wrapped
+
+
+def _install_scopes():
+    """record_function scopes around the DSA functions (the product code has none)."""
+    import model_providers.glm5.dsa.attention as attention
+    import model_providers.glm5.dsa.indexer as indexer
+    import model_providers.glm5.dsa.sparse_attention as sparse
+
+    attention.DSACoreAttention._indexer_inputs = _scoped(attention.DSACoreAttention._indexer_inputs,
+                                                         "indexer projection")
+    attention.select_topk = _scoped(attention.select_topk, "indexer scoring")
+    indexer.topk_indices = _scoped(indexer.topk_indices, "top-k")
+    sparse.SparseLatentAttention.forward = staticmethod(
+        _scoped(sparse.SparseLatentAttention.forward, "sparse forward"))
+    attention.dense_kl = _scoped(attention.dense_kl, "indexer KL (value + gradients)")
+    attention.sparse_kl = _scoped(attention.sparse_kl, "indexer KL (value + gradients)")
+    attention.DSACoreAttention._dense = _scoped(attention.DSACoreAttention._dense,
+                                                "dense attention forward")
+
+
+def _attribute(events) -> dict:
+    """Seconds per part from a profiler event tree: a dsa:: scope's own time (minus the scopes
+    inside it), backward autograd nodes by name, everything else top-level to 'other'."""
+    seconds = dict.fromkeys(PARTS, 0.0)
+
+    def walk(event, part):
+        name = event.name
+        if name.startswith("dsa::"):
+            inner = name[5:]
+            seconds[inner] += event.time_range.elapsed_us() / 1e6
+            if part is not None:
+                seconds[part] -= event.time_range.elapsed_us() / 1e6
+            part = inner
+        for child in event.cpu_children:
+            walk(child, part)
+
+    for event in events:
+        if event.cpu_parent is not None:
+            continue
+        prefix = "autograd::engine::evaluate_function: "
+        if event.name.startswith("dsa::"):
+            walk(event, None)
+            continue
+        part = _BACKWARD_NODES.get(event.name[len(prefix):], _OTHER) if event.name.startswith(prefix) else _OTHER
+        seconds[part] += event.time_range.elapsed_us() / 1e6
+        for child in event.cpu_children:
+            walk(child, part)
+    return seconds
+
+
+def _scored_elements(first: int, rows: int) -> int:
+    """Scores the causal-aware indexer computes for query rows first..first+rows-1."""
+    total = 0
+    for lo in range(0, rows, CHUNK):
+        hi = min(lo + CHUNK, rows)
+        total += (hi - lo) * max(TOPK, first + hi)
+    return total
+
+
+def part_work(length: int, mode: str) -> dict:
+    """Analytic FLOPs (or bytes for top-k) of each part at sequence length ``length``."""
+    n, qk, v, d_lat, dv = HEADS, NOPE + ROPE, V, LORA + ROPE, LORA
+    sdpa_fwd = lambda rows: n * rows * rows / 2 * 2 * (qk + v)  # noqa: E731  causal
+    kl_dense = lambda rows: rows * rows / 2 * (n * qk * 2 + INDEX_HEADS * INDEX_DIM * 2 * 3)  # noqa: E731
+    if mode == "warmup":
+        scored = length * length / 2
+        return {"dense attention forward": sdpa_fwd(length), "dense attention backward": 2.5 * sdpa_fwd(length),
+                "indexer KL (value + gradients)": kl_dense(length)}
+    prefix = min(length, TOPK)
+    sparse = max(0, length - TOPK)
+    per_key = n * TOPK * sparse * 2
+    scored = _scored_elements(prefix, sparse)
+    return {"indexer scoring": scored * INDEX_HEADS * (INDEX_DIM + 1) * 2,
+            "top-k": ("bytes", scored * 4),
+            "sparse forward": per_key * (d_lat + dv),
+            "sparse backward": per_key * (3 * d_lat + 2 * dv),
+            "indexer KL (value + gradients)": kl_dense(prefix) + sparse * TOPK * INDEX_HEADS * INDEX_DIM * 2 * 3,
+            "dense attention forward": sdpa_fwd(prefix), "dense attention backward": 2.5 * sdpa_fwd(prefix)}
+
+
+def gemm_ceiling() -> float:
+    """GFLOP/s of one batched GEMM of the sparse core's shape: a chunk of queries' [heads, 576]
+    against their own [576, k] gathered rows (median of 15)."""
+    import torch
+
+    from model_providers.glm5.dsa.sparse_attention import rows_per_chunk
+
+    c = rows_per_chunk(TOPK, LORA + ROPE, 4, CHUNK)
+    a, b = torch.randn(c, HEADS, LORA + ROPE), torch.randn(c, LORA + ROPE, TOPK)
+    times = []
+    for _ in range(17):
+        t0 = time.perf_counter()
+        torch.bmm(a, b)
+        times.append(time.perf_counter() - t0)
+    return 2 * c * HEADS * (LORA + ROPE) * TOPK / sorted(times[2:])[7] / 1e9
+
+
 def run_one(variant: str, length: int) -> dict:
     import torch
 
@@ -95,8 +216,8 @@ def run_one(variant: str, length: int) -> dict:
     torch.manual_seed(0)
     initialize(ParallelConfig(), seed=1234)
     cfg = _config(variant == "megatron")
-    layer = _megatron_dsa_layer(cfg) if variant == "megatron" else _our_layer(
-        cfg, "sparse" if variant == "ours" else "dense")
+    mode = {"ours": "sparse", "sdpa": "dense"}.get(variant, variant)
+    layer = _megatron_dsa_layer(cfg) if variant == "megatron" else _our_layer(cfg, mode)
 
     def step(n):
         x = torch.randn(n, 1, HIDDEN, requires_grad=True)
@@ -107,8 +228,16 @@ def run_one(variant: str, length: int) -> dict:
     step(256)  # warm-up
     t0 = time.perf_counter()
     step(length)
-    seconds = time.perf_counter() - t0
-    return {"seconds": seconds, "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
+    row = {"seconds": time.perf_counter() - t0,
+           "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
+    if mode in ("sparse", "warmup"):
+        _install_scopes()
+        with torch.profiler.profile() as prof:
+            step(length)
+        row["parts"] = _attribute(prof.events())
+    if mode == "sparse":
+        row["gemm_ceiling_gflops"] = gemm_ceiling()
+    return row
 
 
 def _spawn(variant: str, length: int) -> dict | None:
@@ -123,34 +252,89 @@ def _spawn(variant: str, length: int) -> dict | None:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def result_row(length: int, mode: str, ours: dict, dense: dict) -> dict:
+    """The JSON row: times, memory and the parts with their work and achieved rate."""
+    work = part_work(length, mode)
+    parts = {}
+    for name, secs in ours["parts"].items():
+        entry = {"s": round(secs, 3)}
+        amount = work.get(name)
+        if isinstance(amount, tuple):
+            entry["gib"] = round(amount[1] / 2**30, 3)
+            entry["gib_per_s"] = round(amount[1] / 2**30 / secs, 2) if secs > 0 else None
+        elif amount:
+            entry["gflop"] = round(amount / 1e9, 1)
+            entry["gflop_per_s"] = round(amount / 1e9 / secs, 1) if secs > 0 else None
+        parts[name] = entry
+    row = {"L": length, "mode": mode, "ours_s": round(ours["seconds"], 2),
+           "dense_s": round(dense["seconds"], 2) if dense else None,
+           "ours_gib": round(ours["peak_rss_gib"], 2),
+           "dense_gib": round(dense["peak_rss_gib"], 2) if dense else None,
+           "parts_sum_s": round(sum(ours["parts"].values()), 2), "parts": parts}
+    if "gemm_ceiling_gflops" in ours:
+        core_s = ours["parts"]["sparse forward"] + ours["parts"]["sparse backward"]
+        core = (work["sparse forward"] + work["sparse backward"]) / 1e9 / core_s if core_s else 0.0
+        row["gemm_ceiling_gflop_per_s"] = round(ours["gemm_ceiling_gflops"], 1)
+        row["sparse_core_gflop_per_s"] = round(core, 1)
+    return row
+
+
+def _print_row(row: dict) -> None:
+    ratio = f"{row['ours_s'] / row['dense_s']:.2f}x dense" if row["dense_s"] else "no dense"
+    print(f"\nL={row['L']} {row['mode']}: {row['ours_s']:.1f} s ({ratio} {row['dense_s']} s), "
+          f"{row['ours_gib']:.2f} GiB (dense {row['dense_gib']} GiB); parts sum {row['parts_sum_s']:.1f} s "
+          f"= {row['parts_sum_s'] / row['ours_s']:.0%} of the step")
+    if "gemm_ceiling_gflop_per_s" in row:
+        c, g = row["sparse_core_gflop_per_s"], row["gemm_ceiling_gflop_per_s"]
+        print(f"  sparse core {c:.1f} GFLOP/s = {c / g:.0%} of the GEMM ceiling ({g:.1f} GFLOP/s, same shape)")
+    print(f"  {'part':<44} {'s':>8} {'share':>6} {'work':>12} {'rate':>14}")
+    for name, p in row["parts"].items():
+        if not p["s"] and "gflop" not in p:
+            continue
+        work = f"{p['gflop']:.1f} GFLOP" if "gflop" in p else (f"{p['gib']:.2f} GiB" if "gib" in p else "")
+        rate = (f"{p['gflop_per_s']} GFLOP/s" if p.get("gflop_per_s") else
+                f"{p['gib_per_s']} GiB/s" if p.get("gib_per_s") else "")
+        print(f"  {name:<44} {p['s']:8.2f} {p['s'] / row['ours_s']:6.1%} {work:>12} {rate:>14}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--lengths", type=int, nargs="+", default=[4096, 8192, 16384])
+    ap.add_argument("--lengths", type=int, nargs="+", default=[8192, 16384, 32768])
+    ap.add_argument("--modes", nargs="+", default=["sparse", "warmup"], choices=["sparse", "warmup"])
+    ap.add_argument("--warmup-max", type=int, default=16384, help="warm-up mode only up to this L")
+    ap.add_argument("--megatron", action="store_true", help="also megatron-core's DSAttention")
+    ap.add_argument("--json", help="write the rows here")
     ap.add_argument("--one", nargs=2)
     args = ap.parse_args()
     if args.one:
         print(json.dumps(run_one(args.one[0], int(args.one[1]))))
         return
-    rows = {}
+    rows, table = [], []
     for length in args.lengths:
-        for variant in ("ours", "sdpa", "megatron"):
-            rows[variant, length] = _spawn(variant, length)
-            print(f"  measured {variant:>8} L={length}: {rows[variant, length]}", file=sys.stderr)
-    fmt = lambda r, k: f"{r[k]:8.1f}" if r else "    skip"
+        dense = _spawn("sdpa", length)
+        print(f"  measured dense L={length}: {dense}", file=sys.stderr)
+        for mode in args.modes:
+            if mode == "warmup" and length > args.warmup_max:
+                continue
+            ours = _spawn("ours" if mode == "sparse" else mode, length)
+            if ours:
+                rows.append(result_row(length, mode, ours, dense))
+                _print_row(rows[-1])
+        mcore = _spawn("megatron", length) if args.megatron else None
+        table.append((length, dense, mcore))
     print("\nDSA layer, fwd+bwd incl. indexer KL, fp32, batch 1, 16 heads, top-k 2048 (CPU, 2 cores)")
-    print(f"{'L':>6} | {'ours s':>8} {'GiB':>6} | {'SDPA s':>8} {'GiB':>6} | {'mcore s':>8} {'GiB':>6}"
-          f" | {'mcore/ours time':>15} {'ours/mcore mem':>14} | {'SDPA/ours time':>14}")
-    for length in args.lengths:
-        o, d, m = rows["ours", length], rows["sdpa", length], rows["megatron", length]
-        t_ratio = f"{m['seconds'] / o['seconds']:14.1f}x" if m and o else f"{'-':>15}"
-        m_ratio = f"{o['peak_rss_gib'] / m['peak_rss_gib']:13.2f}x" if m and o else f"{'-':>14}"
-        d_ratio = f"{d['seconds'] / o['seconds']:13.2f}x" if d and o else f"{'-':>14}"
-        print(f"{length:>6} | {fmt(o, 'seconds')} {o['peak_rss_gib'] if o else 0:6.2f} | "
-              f"{fmt(d, 'seconds')} {d['peak_rss_gib'] if d else 0:6.2f} | {fmt(m, 'seconds')} "
-              f"{m['peak_rss_gib'] if m else 0:6.2f} | {t_ratio} {m_ratio} | {d_ratio}")
-    if ("ours", 8192) in rows and ("ours", 16384) in rows and rows["ours", 8192] and rows["ours", 16384]:
-        growth = rows["ours", 16384]["seconds"] / rows["ours", 8192]["seconds"]
-        print(f"\nours: time growth 8192 -> 16384 = {growth:.2f}x (O(L*k) target <= 2.5x; O(L^2) would be 4x)")
+    print(f"{'L':>6} {'mode':>7} | {'ours s':>8} {'GiB':>6} | {'SDPA s':>8} {'GiB':>6} | {'ours/SDPA':>9}")
+    for row in rows:
+        ratio = f"{row['ours_s'] / row['dense_s']:8.2f}x" if row["dense_s"] else f"{'-':>9}"
+        print(f"{row['L']:>6} {row['mode']:>7} | {row['ours_s']:8.1f} {row['ours_gib']:6.2f} | "
+              f"{row['dense_s'] or 0:8.1f} {row['dense_gib'] or 0:6.2f} | {ratio}")
+    for length, _, mcore in table:
+        if mcore:
+            print(f"megatron-core DSAttention L={length}: {mcore['seconds']:.1f} s, {mcore['peak_rss_gib']:.2f} GiB")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+        print(f"rows written to {args.json}")
 
 
 if __name__ == "__main__":

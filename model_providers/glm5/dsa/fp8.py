@@ -199,8 +199,16 @@ def index_logits(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, q_offset: in
         raise ValueError(f"dtype must be 'fp8', 'bf16' or 'fp32', got {dtype!r}")
     if backend not in ("auto", "torch", "triton"):
         raise ValueError(f"backend must be 'auto', 'torch' or 'triton', got {backend!r}")
+    return fp8_logits_quantised_keys(q, *quantize_fp8(k, pow2_scales), w, q_offset, causal,
+                                     pow2_scales, backend, chunk_size)
+
+
+def fp8_logits_quantised_keys(q, k8, ks, w, q_offset: int = 0, causal: bool = True,
+                              pow2_scales: bool = True, backend: str = "auto",
+                              chunk_size: int | None = None) -> torch.Tensor:
+    """`index_logits` (fp8) with keys quantised by the caller (``quantize_fp8(k, pow2_scales)``),
+    so a layer quantises its keys once for all its query chunks."""
     q8, qs = quantize_fp8(q, pow2_scales)
-    k8, ks = quantize_fp8(k, pow2_scales)
     if backend == "auto":
         backend = "triton" if _triton_usable(q) else "torch"
     if backend == "triton":

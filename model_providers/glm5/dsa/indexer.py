@@ -16,11 +16,11 @@ only from the KL loss, and the KL never reaches the main model).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from megatron.core.transformer.module import MegatronModule
 
 from model_providers.glm5.config import YarnConfig
 from model_providers.glm5.dsa.hadamard import hadamard_rotate
+from model_providers.glm5.dsa.layout import TokenLayout
 from model_providers.glm5.dsa.rope import apply_rope, rope_cos_sin
 from model_providers.glm5.dsa.topk import topk_indices
 
@@ -73,16 +73,19 @@ def mla_yarn(config) -> YarnConfig | None:
 def index_logits(q, k, w, q_offset: int, dtype: str = "fp32", hidden=None) -> torch.Tensor:
     """Indexer scores of a query chunk: q [b, c, H, d] (queries q_offset..q_offset+c-1),
     k [b, L, d], w [b, c, H] -> [b, c, L] fp32, -inf where the key is hidden: in the future, or
-    where ``hidden`` ([b or 1, c, L] bool, from :class:`~.layout.TokenLayout`) says so."""
+    where ``hidden`` ([b or 1, c, L] bool, from :class:`~.layout.TokenLayout`) says so;
+    ``hidden=False``: nothing is masked (the caller masks)."""
     if dtype != "fp32":
         from model_providers.glm5.dsa.fp8 import index_logits as quantised_index_logits
 
         logits = quantised_index_logits(q, k, w, q_offset, dtype=dtype, causal=hidden is None)
-        return logits if hidden is None else logits.masked_fill(hidden, float("-inf"))
+        return logits if hidden is None or hidden is False else logits.masked_fill(hidden, float("-inf"))
     b, c, h, d = q.shape
     per_head = torch.bmm(q.float().reshape(b, c * h, d), k.float().transpose(1, 2))  # [b, c*H, L]
-    per_head = F.relu(per_head).view(b * c, h, -1)
+    per_head = per_head.relu_().view(b * c, h, -1)
     logits = torch.bmm(w.float().reshape(b * c, 1, h), per_head).view(b, c, -1)
+    if hidden is False:
+        return logits
     if hidden is None:
         hidden = causal_mask(q_offset, c, k.shape[1], q.device)
     return logits.masked_fill(hidden, float("-inf"))
@@ -100,16 +103,31 @@ def select_topk(q, k, w, topk: int, chunk: int, dtype: str = "fp32", first: int 
     [b, s, k'] int64 and valid [b, s, k'] (k' = min(topk, L); invalid entries are keys the
     query may not see, picked only because it sees fewer than k' keys). ``layout``
     (:class:`~.layout.TokenLayout`) gives the rows' global positions and documents; None means
-    positions = row numbers, one document."""
+    positions = row numbers, one document.
+
+    Causal-aware: a chunk of rows is scored only against the keys its last row can see (at
+    least k' of them, so the picks are those of the full row: the hidden keys rank -inf, lowest
+    position first). fp8 keys are quantised once for all chunks."""
     b, s = q.shape[:2]
-    kk = min(topk, k.shape[1])
+    length = k.shape[1]
+    kk = min(topk, length)
+    if layout is None:
+        layout = TokenLayout.build(first + s, length, device=q.device)
+    if dtype == "fp8":
+        from model_providers.glm5.dsa.fp8 import fp8_logits_quantised_keys, quantize_fp8
+
+        k8, ks = quantize_fp8(k, pow2_scales=True)
+
+        def score(q_c, w_c, n):
+            return fp8_logits_quantised_keys(q_c, k8[:, :n], ks[:, :n], w_c, causal=False)
+    else:
+        def score(q_c, w_c, n):
+            return index_logits(q_c, k[:, :n], w_c, 0, dtype, hidden=False)
     idx = torch.empty(b, s, kk, dtype=torch.int64, device=q.device)
     for lo in range(0, s, chunk):
         hi = min(lo + chunk, s)
-        hidden = None if layout is None else layout.hidden(first + lo, first + hi)
-        logits = index_logits(q[:, lo:hi], k, w[:, lo:hi], first + lo, dtype, hidden)
+        n = min(length, max(kk, layout.keys_seen(first + lo, first + hi)))
+        logits = score(q[:, lo:hi], w[:, lo:hi], n)
+        logits.masked_fill_(layout.hidden(first + lo, first + hi, n), float("-inf"))
         idx[:, lo:hi] = topk_indices(logits, kk)
-    if layout is not None:
-        return idx, layout.valid(idx, first)
-    positions = torch.arange(first, first + s, device=q.device)[None, :, None]
-    return idx, idx <= positions
+    return idx, layout.valid(idx, first)

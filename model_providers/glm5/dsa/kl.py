@@ -1,37 +1,80 @@
 """The indexer's training signal: KL(target || softmax(I)), where the target is the main
 attention distribution summed over heads and L1-normalised (all-reduced over the TP group, whose
-ranks hold different heads). Dense form: over all causal keys (DSA warm-up). Sparse form: over
-each query's selected keys (sparse training). Computed per query chunk under activation
-checkpointing, so memory stays O(chunk * L) (dense) or O(chunk * k) (sparse)."""
+ranks hold different heads). Dense form: over all keys a query sees (DSA warm-up). Sparse form:
+over each query's selected keys (sparse training).
+
+The KL is a scalar of small inputs (the indexer's q [b, s, H, d], k [b, L, d], w [b, s, H])
+through large intermediates (scores of every query against its keys). So its gradients are
+computed in the forward, one query chunk at a time, while each chunk's scores are at hand
+(d logits = softmax(I) - target), and the backward only scales them: nothing of size
+O(s * keys) is kept or recomputed, memory is O(chunk * L) (dense) or O(chunk * k) (sparse).
+Dense chunks see only the keys their last query can see (no scores for future keys).
+"""
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
-from model_providers.glm5.dsa.indexer import causal_mask, index_logits
+from model_providers.glm5.dsa.indexer import causal_mask
+from model_providers.glm5.dsa.sparse_attention import rows_per_chunk, scatter_add_rows
 
 
 def _kl_rows(target: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
     """sum over rows of KL(target_row || softmax(logits_row)); target rows sum to 1."""
-    logq = F.log_softmax(logits, dim=-1)
+    logq = torch.log_softmax(logits, dim=-1)
     terms = torch.where(target > 0, target * (target.clamp_min(1e-30).log() - logq), 0.0)
     return terms.sum()
 
 
+def _kl_and_grads(per_head, w, target, hidden, want_grads: bool):
+    """One chunk of rows: per_head [R, H, n] (q . k per indexer head), w [R, H], target [R, n],
+    hidden [R, n] -> (sum of the rows' KL, d per_head [R, H, n] or None, d w [R, H] or None)."""
+    rows, heads, n = per_head.shape
+    relu = per_head.relu()
+    logits = torch.bmm(w.view(rows, 1, heads), relu).view(rows, n).masked_fill_(hidden, float("-inf"))
+    logq = torch.log_softmax(logits, dim=-1)
+    value = torch.where(target > 0, target * (target.clamp_min(1e-30).log() - logq), 0.0).sum()
+    if not want_grads:
+        return value, None, None
+    d_logits = logq.exp_().sub_(target)  # softmax - target (0 at hidden keys)
+    d_w = torch.bmm(relu, d_logits.view(rows, n, 1)).view(rows, heads)
+    d_per_head = (w.view(rows, heads, 1) * d_logits.view(rows, 1, n)).masked_fill_(per_head <= 0, 0.0)
+    return value, d_per_head, d_w
+
+
+class _KLWithEagerGradients(torch.autograd.Function):
+    """value = run(want_grads)[0]; its gradients w.r.t. (q, k, w) come from the same run."""
+
+    @staticmethod
+    def forward(ctx, run, q, k, w):
+        value, grads = run(any(ctx.needs_input_grad[1:]))
+        ctx.dtypes = (q.dtype, k.dtype, w.dtype)
+        if grads is not None:
+            ctx.save_for_backward(*grads)
+        return value
+
+    @staticmethod
+    def backward(ctx, grad):
+        grads = ctx.saved_tensors
+        return (None,) + tuple((g * grad).to(dt) for g, dt in zip(grads, ctx.dtypes))
+
+
+def _grad_buffers(q, k, w, want: bool):
+    if not want:
+        return None, None, None
+    f32 = dict(dtype=torch.float32, device=q.device)
+    return torch.empty(q.shape, **f32), torch.zeros(k.shape, **f32), torch.empty(w.shape, **f32)
+
+
 @torch.no_grad()
-def dense_attention_target(query_sbnd, key_sbnd, scale: float, lo: int, hi: int, tp_group=None,
-                           layout=None):
+def dense_attention_target(query_sbnd, key_bnld, scale: float, lo: int, hi: int, hidden,
+                           tp_group=None):
     """Head-summed, normalised attention probabilities of query rows lo..hi-1 over the keys
-    they see (``layout``: :class:`~.layout.TokenLayout`; None = causal): [b, c, L]."""
+    of ``key_bnld`` ([b, n, keys, D] fp32) with ``hidden`` [b or 1, c, keys] masked: [b, c, keys]."""
     q = query_sbnd[lo:hi].permute(1, 2, 0, 3).float()  # [b, n, c, D]
-    k = key_sbnd.permute(1, 2, 3, 0).float()  # [b, n, D, L]
-    scores = torch.matmul(q, k) * scale
-    hidden = (causal_mask(lo, hi - lo, key_sbnd.shape[0], q.device) if layout is None
-              else layout.hidden(lo, hi)[:, None])
-    scores.masked_fill_(hidden, float("-inf"))
-    probs = scores.softmax(dim=-1).sum(dim=1)  # [b, c, L]
+    scores = torch.matmul(q, key_bnld.transpose(-1, -2)).mul_(scale)
+    scores.masked_fill_(hidden[:, None], float("-inf"))
+    probs = scores.softmax(dim=-1).sum(dim=1)  # [b, c, keys]
     if tp_group is not None and torch.distributed.get_world_size(tp_group) > 1:
         torch.distributed.all_reduce(probs, group=tp_group)
     return probs / probs.sum(dim=-1, keepdim=True)
@@ -39,51 +82,77 @@ def dense_attention_target(query_sbnd, key_sbnd, scale: float, lo: int, hi: int,
 
 def dense_kl(iq, ik, iw, query_sbnd, key_sbnd, scale: float, chunk: int, tp_group=None,
              layout=None):
-    """Mean over the first ``iq.shape[1]`` queries of the dense-form KL (keys: all the query
-    sees, per ``layout``; None = all causal).
-    iq/ik/iw: indexer projections (with grad). The logits here are fp32 (differentiable); the
+    """Mean over the queries of ``iq`` of the dense-form KL over the keys each query sees (per
+    ``layout``: :class:`~.layout.TokenLayout`; None = causal, positions = row numbers).
+    iq/ik/iw: indexer projections (gradients reach them only). The logits are fp32; the
     quantised indexer dtypes serve selection."""
-    b, s = iq.shape[:2]
-    total = iq.new_zeros((), dtype=torch.float32)
+    b, s, heads, d = iq.shape
 
-    def chunk_kl(q_c, w_c, k_all, target, lo, hidden):
-        return _kl_rows(target, index_logits(q_c, k_all, w_c, lo, hidden=hidden))
+    def run(want_grads: bool):
+        keys_all = key_sbnd.detach().permute(1, 2, 0, 3).float().contiguous()  # [b, n, L, D]
+        k = ik.detach().float()
+        dq, dk, dw = _grad_buffers(iq, ik, iw, want_grads)
+        total = iq.new_zeros((), dtype=torch.float32)
+        for lo in range(0, s, chunk):
+            hi = min(lo + chunk, s)
+            c = hi - lo
+            n = hi if layout is None else layout.keys_seen(lo, hi)
+            hidden = (causal_mask(lo, c, n, iq.device)[None] if layout is None
+                      else layout.hidden(lo, hi, n))
+            target = dense_attention_target(query_sbnd.detach(), keys_all[:, :, :n], scale, lo,
+                                            hi, hidden, tp_group)
+            q_c = iq[:, lo:hi].detach().float().reshape(b, c * heads, d)
+            per_head = torch.bmm(q_c, k[:, :n].transpose(1, 2)).view(b * c, heads, n)
+            value, d_ph, d_w = _kl_and_grads(
+                per_head, iw[:, lo:hi].detach().float().reshape(b * c, heads),
+                target.view(b * c, n), hidden.expand(b, c, n).reshape(b * c, n), want_grads)
+            total += value
+            if want_grads:
+                d_ph = d_ph.view(b, c * heads, n)
+                dw[:, lo:hi] = d_w.view(b, c, heads)
+                dq[:, lo:hi] = torch.bmm(d_ph, k[:, :n]).view(b, c, heads, d)
+                dk[:, :n].baddbmm_(d_ph.transpose(1, 2), q_c)
+        return _mean(total, (dq, dk, dw), b * s, want_grads)
 
-    for lo in range(0, s, chunk):
-        hi = min(lo + chunk, s)
-        target = dense_attention_target(query_sbnd, key_sbnd, scale, lo, hi, tp_group, layout)
-        hidden = None if layout is None else layout.hidden(lo, hi)
-        total = total + checkpoint(chunk_kl, iq[:, lo:hi], iw[:, lo:hi], ik, target, lo, hidden,
-                                   use_reentrant=False)
-    return total / (b * s)
-
-
-def sparse_index_logits(q_c, k_all, w_c, idx_c, valid_c):
-    """Indexer scores at the selected keys only: [b, c, k] (-inf where invalid)."""
-    b, c, h, d = q_c.shape
-    kk = idx_c.shape[-1]
-    k_sel = torch.stack([k_all[bi].index_select(0, idx_c[bi].reshape(-1)).view(c, kk, d)
-                         for bi in range(b)])  # [b, c, k, d]
-    per_head = torch.matmul(q_c.float(), k_sel.float().transpose(-1, -2))  # [b, c, H, k]
-    logits = (F.relu(per_head) * w_c.float()[..., None]).sum(dim=2)
-    return logits.masked_fill(~valid_c, float("-inf")).view(b, c, kk)
+    return _KLWithEagerGradients.apply(run, iq, ik, iw)
 
 
 def sparse_kl(iq, ik, iw, idx, valid, head_probs, chunk: int, tp_group=None):
     """Mean over the queries of ``iq``/``iw``/``idx`` of the sparse-form KL over each query's
     selected keys (``ik`` holds every key)."""
-    b, s = iq.shape[:2]
+    b, s, heads, d = iq.shape
+    kk = idx.shape[-1]
     target = head_probs.detach().float().masked_fill(~valid, 0.0)
     if tp_group is not None and torch.distributed.get_world_size(tp_group) > 1:
         torch.distributed.all_reduce(target, group=tp_group)
     target = target / target.sum(dim=-1, keepdim=True)
-    total = iq.new_zeros((), dtype=torch.float32)
+    hidden = ~valid
+    c_max = rows_per_chunk(kk, d, 4, chunk)
 
-    def chunk_kl(q_c, w_c, k_all, idx_c, valid_c, target_c):
-        return _kl_rows(target_c, sparse_index_logits(q_c, k_all, w_c, idx_c, valid_c))
+    def run(want_grads: bool):
+        dq, dk, dw = _grad_buffers(iq, ik, iw, want_grads)
+        total = iq.new_zeros((), dtype=torch.float32)
+        k = ik.detach()
+        for bi in range(b):
+            for lo in range(0, s, c_max):
+                hi = min(lo + c_max, s)
+                c = hi - lo
+                k_sel = k[bi].index_select(0, idx[bi, lo:hi].reshape(-1)).float().view(c, kk, d)
+                q_c = iq[bi, lo:hi].detach().float()  # [c, H, d]
+                per_head = torch.bmm(q_c, k_sel.transpose(1, 2))  # [c, H, k]
+                value, d_ph, d_w = _kl_and_grads(per_head, iw[bi, lo:hi].detach().float(),
+                                                 target[bi, lo:hi], hidden[bi, lo:hi], want_grads)
+                total += value
+                if want_grads:
+                    dw[bi, lo:hi] = d_w
+                    dq[bi, lo:hi] = torch.bmm(d_ph, k_sel)
+                    scatter_add_rows(dk[bi], idx[bi, lo:hi], torch.bmm(d_ph.transpose(1, 2), q_c))
+        return _mean(total, (dq, dk, dw), b * s, want_grads)
 
-    for lo in range(0, s, chunk):
-        hi = min(lo + chunk, s)
-        total = total + checkpoint(chunk_kl, iq[:, lo:hi], iw[:, lo:hi], ik, idx[:, lo:hi],
-                                   valid[:, lo:hi], target[:, lo:hi], use_reentrant=False)
-    return total / (b * s)
+    return _KLWithEagerGradients.apply(run, iq, ik, iw)
+
+
+def _mean(total, grads, count: int, want_grads: bool):
+    if not want_grads:
+        return total / count, None
+    return total / count, tuple(g.div_(count) for g in grads)

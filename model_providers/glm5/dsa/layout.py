@@ -63,13 +63,18 @@ class TokenLayout:
                            self.contiguous and lo == 0,
                            None if self.q_pos_host is None else self.q_pos_host[lo:hi])
 
-    def hidden(self, lo: int, hi: int) -> torch.Tensor:
-        """[b or 1, hi - lo, L] bool, True where query row r may not see key j (j after r's
-        position, or another document)."""
-        keys = torch.arange(self.key_len, device=self.q_pos.device)
+    def keys_seen(self, lo: int, hi: int) -> int:
+        """How many leading keys rows lo..hi-1 can see at most: the last row's position + 1
+        (positions ascend; decided on the host)."""
+        return int(self.q_pos_host[hi - 1]) + 1 if hi > lo else 0
+
+    def hidden(self, lo: int, hi: int, keys: Optional[int] = None) -> torch.Tensor:
+        """[b or 1, hi - lo, keys] bool (keys: the first ``keys`` keys, default all L), True
+        where query row r may not see key j (j after r's position, or another document)."""
+        keys = torch.arange(self.key_len if keys is None else keys, device=self.q_pos.device)
         masked = (keys[None, :] > self.q_pos[lo:hi, None])[None]
         if self.doc_q is not None:
-            masked = masked | (self.doc_q[:, lo:hi, None] != self.doc_k[:, None, :])
+            masked = masked | (self.doc_q[:, lo:hi, None] != self.doc_k[:, None, :len(keys)])
         return masked
 
     def valid(self, idx: torch.Tensor, lo: int) -> torch.Tensor:

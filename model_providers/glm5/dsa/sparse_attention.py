@@ -9,11 +9,10 @@ upcast, so scores, log-sum-exp, probabilities, delta, every GEMM and the dkv sum
 only o, dq and dkv are rounded to the input dtype, once: their error is that rounding's (~1.7e-3
 relative), where bf16 statistics and a bf16 dkv sum cost ~1e-2. lse and head_probs stay fp32.
 
-Determinism: dkv is accumulated in an fp32 [L, D] buffer one query at a time. A query's k key
-positions are distinct (they come from top-k), so each step gathers those k rows, adds the
-query's contribution and writes them back with no key touched twice: every key's sum is taken
-in query order on any device (``index_add_`` on CUDA adds with atomics, in whatever order they
-land). The price is a few small kernels per query, which a fused GPU kernel would remove.
+Determinism: dkv is accumulated in an fp32 [L, D] buffer in query order (`scatter_add_rows`):
+a query's k key positions are distinct (they come from top-k), so on CUDA, where ``index_add_``
+adds with atomics, one call per query touches no key twice; on the CPU one call per chunk adds
+sequentially. The per-query calls on CUDA are what a fused GPU kernel removes.
 
 Shapes (batch-first): q [b, s, n, D] (absorbed queries, D = latent + rope), kv [b, L, D]
 (latent rows; the first ``dv`` dims are also the values), idx [b, s, k] int64 key positions,
@@ -29,7 +28,8 @@ import torch
 GATHER_BUDGET = 24 * 2**20
 
 
-def _chunk_size(k: int, dim: int, itemsize: int, requested: int) -> int:
+def rows_per_chunk(k: int, dim: int, itemsize: int, requested: int) -> int:
+    """Queries per chunk: at most ``requested``, and their gathered rows within the budget."""
     return max(1, min(requested, GATHER_BUDGET // (k * dim * itemsize)))
 
 
@@ -59,23 +59,28 @@ class SparseLatentAttention(torch.autograd.Function):
         b, s, n, dim = q.shape
         k = idx.shape[-1]
         acc = _compute_dtype(q.dtype)
-        c = _chunk_size(k, dim, acc.itemsize, chunk)
+        c = rows_per_chunk(k, dim, acc.itemsize, chunk)
         out = q.new_empty(b, s, n, dv)
         lse = q.new_empty(b, s, n, dtype=acc)
         head_probs = q.new_empty(b, s, k, dtype=acc)  # attention summed over heads (the KL target)
         gather = _Gather(kv, c * k, acc)
-        hidden = ~valid
+        hidden = None if _all_visible(valid) else ~valid
+        q_scaled = q.new_empty(c, n, dim, dtype=acc)  # the softmax scale goes on q, not the scores
         for bi in range(b):
             for lo in range(0, s, c):
                 hi = min(lo + c, s)
                 m = hi - lo
                 sel = gather(kv[bi], idx[bi, lo:hi].reshape(-1)).view(m, k, dim)
-                scores = torch.bmm(q[bi, lo:hi].to(acc), sel.transpose(1, 2)).mul_(scale)
-                scores.masked_fill_(hidden[bi, lo:hi, None, :], float("-inf"))  # [m, n, k]
-                row_lse = scores.logsumexp(dim=-1, keepdim=True)
-                p = scores.sub_(row_lse).exp_()
+                qc = q_scaled[:m].copy_(q[bi, lo:hi]).mul_(scale)  # upcast first, then scale
+                scores = torch.bmm(qc, sel.transpose(1, 2))  # [m, n, k]
+                if hidden is not None:
+                    scores.masked_fill_(hidden[bi, lo:hi, None, :], float("-inf"))
+                row_max = scores.amax(dim=-1, keepdim=True)
+                p = scores.sub_(row_max).exp_()
+                row_sum = p.sum(dim=-1, keepdim=True)
+                p.div_(row_sum)
                 out[bi, lo:hi] = torch.bmm(p, sel[..., :dv])
-                lse[bi, lo:hi] = row_lse.squeeze(-1)
+                lse[bi, lo:hi] = (row_max + row_sum.log()).squeeze(-1)
                 torch.sum(p, dim=1, out=head_probs[bi, lo:hi])
         ctx.save_for_backward(q, kv, idx, valid, lse)
         ctx.scale, ctx.dv, ctx.chunk = scale, dv, c
@@ -92,28 +97,49 @@ class SparseLatentAttention(torch.autograd.Function):
         grad_q = torch.empty_like(q)
         grad_kv = torch.zeros_like(kv, dtype=acc)
         gather = _Gather(kv, c * k, acc)
-        rows = kv.new_empty(k, dim, dtype=acc)
-        hidden = ~valid
+        # Two left operands of 2n rows each, so every GEMM has M = 2n (heads are few): rows
+        # [dO | 0 ; q] give dP and the scores in one GEMM with the gathered rows; rows
+        # [q ; dO | 0] against [dS ; P] give the kv gradient's two terms in one GEMM.
+        do_q = q.new_zeros(c, 2 * n, dim, dtype=acc)
+        q_do = q.new_zeros(c, 2 * n, dim, dtype=acc)
+        hidden = None if _all_visible(valid) else ~valid
         for bi in range(b):
             for lo in range(0, s, c):
                 hi = min(lo + c, s)
                 m = hi - lo
                 sel = gather(kv[bi], idx[bi, lo:hi].reshape(-1)).view(m, k, dim)
-                qc, go = q[bi, lo:hi].to(acc), grad_out[bi, lo:hi].to(acc)
-                p = torch.bmm(qc, sel.transpose(1, 2)).mul_(scale)
-                p = p.sub_(lse[bi, lo:hi, :, None]).exp_()
-                p.masked_fill_(hidden[bi, lo:hi, None, :], 0.0)  # [m, n, k]
-                ds = torch.bmm(go, sel[..., :dv].transpose(1, 2))  # dP
+                do_q[:m, :n, :dv] = grad_out[bi, lo:hi]
+                do_q[:m, n:].copy_(q[bi, lo:hi]).mul_(scale)
+                q_do[:m, :n] = do_q[:m, n:]
+                q_do[:m, n:, :dv] = do_q[:m, :n, :dv]
+                dp_s = torch.bmm(do_q[:m], sel.transpose(1, 2))  # [m, 2n, k]: dP ; S
+                p = dp_s[:, n:].sub_(lse[bi, lo:hi, :, None]).exp_()
+                if hidden is not None:
+                    p.masked_fill_(hidden[bi, lo:hi, None, :], 0.0)
+                ds = dp_s[:, :n]
                 delta = (ds * p).sum(dim=-1, keepdim=True)  # rowsum(dO * O), O unrounded
-                ds.sub_(delta).mul_(p).mul_(scale)
-                grad_q[bi, lo:hi] = torch.bmm(ds, sel)
-                for r in range(m):
-                    key = idx[bi, lo + r]
-                    torch.index_select(grad_kv[bi], 0, key, out=rows)
-                    rows.addmm_(ds[r].T, qc[r])
-                    rows[:, :dv].addmm_(p[r].T, go[r])
-                    grad_kv[bi].index_copy_(0, key, rows)
+                ds.sub_(delta).mul_(p)  # dS / scale: the scale is on q (dkv) and on dq below
+                grad_q[bi, lo:hi] = torch.bmm(ds, sel).mul_(scale)
+                contribution = torch.bmm(dp_s.transpose(1, 2), q_do[:m])  # [m, k, dim]
+                scatter_add_rows(grad_kv[bi], idx[bi, lo:hi], contribution)
         return grad_q, grad_kv.to(kv.dtype), None, None, None, None, None
+
+
+def _all_visible(valid: torch.Tensor) -> bool:
+    """Every selected key visible (no mask to apply); asked on the CPU only (a device sync)."""
+    return not valid.is_cuda and bool(valid.all())
+
+
+def scatter_add_rows(dest: torch.Tensor, idx: torch.Tensor, rows: torch.Tensor) -> None:
+    """dest[idx[r, j]] += rows[r, j] for r in order: every destination row's sum is taken in
+    the same order on any device. dest [L, D], idx [m, k] (distinct within a row r), rows
+    [m, k, D]. On the CPU ``index_add_`` adds sequentially; on CUDA it adds with atomics, so it
+    runs once per r there, where no destination row is hit twice in one call."""
+    if dest.is_cuda:
+        for r in range(idx.shape[0]):
+            dest.index_add_(0, idx[r], rows[r])
+    else:
+        dest.index_add_(0, idx.reshape(-1), rows.reshape(-1, rows.shape[-1]))
 
 
 def sparse_latent_attention(q, kv, idx, valid, scale: float, dv: int, chunk: int = 64):

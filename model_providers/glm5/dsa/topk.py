@@ -5,20 +5,22 @@ from __future__ import annotations
 
 import torch
 
+_LOW31 = 0x7FFFFFFF
+
 
 def topk_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """Indices [..., k] of the k largest entries of ``scores`` [..., L] (k <= L), ascending in
-    position. Entries equal to the k-th largest value are taken lowest position first; NaN
-    scores (diverged weights) rank as -inf instead of breaking the selection."""
-    scores = scores.nan_to_num(nan=float("-inf"))
-    kth = scores.topk(k, dim=-1, sorted=False).values.amin(dim=-1, keepdim=True)
-    above = scores > kth
-    tied = scores == kth
-    room = k - above.sum(dim=-1, keepdim=True)
-    take = above | (tied & (tied.cumsum(dim=-1) <= room))
-    # the taken positions in ascending order, without nonzero (a device -> host sync): each taken
-    # position goes to its rank among the taken ones, the rest to a discarded column k
-    slot = torch.where(take, take.cumsum(dim=-1) - 1, k)
-    positions = torch.arange(scores.shape[-1], device=scores.device).expand_as(slot)
-    out = torch.empty((*scores.shape[:-1], k + 1), dtype=torch.long, device=scores.device)
-    return out.scatter_(-1, slot, positions)[..., :k]
+    """Indices [..., k] of the k largest entries of ``scores`` [..., L] (fp32, k <= L), ascending
+    in position. Entries equal to the k-th largest value are taken lowest position first; NaN
+    scores (diverged weights) rank as -inf instead of breaking the selection.
+
+    One top-k over unique integer keys, with no tie pass and no host sync: a score's fp32 bits
+    mapped to an integer of the same order (negative floats' bits reversed; -0.0 becomes +0.0
+    first, so they tie) in the high 32 bits, ``L - 1 - position`` in the low 32, so equal
+    scores rank lowest position first."""
+    length = scores.shape[-1]
+    s = torch.nan_to_num(scores.float(), nan=float("-inf")).add_(0.0)
+    key = s.view(torch.int32).to(torch.int64)
+    key.bitwise_xor_((key >> 63) & _LOW31)  # order-preserving for negative floats
+    key.bitwise_left_shift_(32).bitwise_or_(
+        torch.arange(length - 1, -1, -1, device=scores.device))
+    return key.topk(k, dim=-1, sorted=False).indices.sort(dim=-1).values
