@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 from dataclasses import dataclass, field
 from typing import List, Optional
 
@@ -27,6 +28,9 @@ class DSAConfig:
     kl_coeff: float = 1.0  #: weight of the indexer KL loss
     indexer_dtype: str = "fp32"  #: fp8 | bf16 | fp32
     query_chunk: int = 64  #: queries scored at once (memory O(chunk * L)); GLM-5 run: 1024
+    #: sparse attention and indexer kernels: auto (Triton on CUDA when triton imports, else
+    #: torch) | torch | triton (CUDA, or CPU tensors under TRITON_INTERPRET=1, for tests)
+    kernels: str = "auto"
 
 
 @dataclass
@@ -151,6 +155,12 @@ def check_model(cfg: GLM5Config, precision: PrecisionConfig, seq_length: int) ->
             f"model.dsa.indexer_dtype=fp8 needs model.dsa.index_head_dim divisible by 128 "
             f"(one scale per 128 values), got {cfg.dsa.index_head_dim}"
         )
+    if cfg.dsa.kernels not in ("auto", "torch", "triton"):
+        p.append(f"model.dsa.kernels={cfg.dsa.kernels!r} must be auto, torch or triton")
+    elif cfg.dsa.kernels == "triton" and not (importlib.util.find_spec("triton") and (
+            torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1")):
+        p.append("model.dsa.kernels=triton needs triton and CUDA (or TRITON_INTERPRET=1 for the "
+                 "CPU interpreter); use auto or torch here")
     if cfg.dsa.topk < 1 or cfg.dsa.index_heads < 1 or cfg.dsa.query_chunk < 1:
         p.append(
             f"model.dsa.topk={cfg.dsa.topk}, index_heads={cfg.dsa.index_heads} and "

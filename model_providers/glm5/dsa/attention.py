@@ -20,11 +20,14 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler, save_to_aux_losses_tracker
 from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 
+from model_providers.glm5.dsa.dense_attention import dense_attention
 from model_providers.glm5.dsa.indexer import LightningIndexer, select_topk
+from model_providers.glm5.dsa.kernels import HAVE_TRITON, sparse_mla_triton
 from model_providers.glm5.dsa.kl import dense_kl, sparse_kl
 from model_providers.glm5.dsa.layout import TokenLayout
 from model_providers.glm5.dsa.sparse_attention import sparse_latent_attention
 from parallel.context_parallel import cp_size, gather_sequence, local_positions
+from parallel.device import on_gpu
 
 KL_TRACKER = "indexer_kl"
 
@@ -99,6 +102,14 @@ class GLM5MLASelfAttention(MLASelfAttention):
         return key.contiguous(), value.contiguous(), c_full
 
 
+def use_triton_kernels(kernels: str, query: torch.Tensor) -> bool:
+    """``model.dsa.kernels``: triton (always), torch (never), auto (on a real GPU when triton
+    imports; not on the strict CPU emulation's tracked device)."""
+    if kernels == "auto":
+        return on_gpu(query) and HAVE_TRITON
+    return kernels == "triton"
+
+
 def _full_sequence(t_sbh: torch.Tensor, sequence_parallel: bool) -> torch.Tensor:
     return gather_from_sequence_parallel_region(t_sbh) if sequence_parallel else t_sbh
 
@@ -164,13 +175,7 @@ class DSACoreAttention(MegatronModule):
         return out
 
     def _dense(self, query, key, value, layout: TokenLayout):
-        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
-        if layout.plain_causal:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.softmax_scale)
-        else:
-            visible = ~layout.hidden(0, query.shape[0])[:, None]  # [b or 1, 1, s, L]
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=self.softmax_scale)
-        return out.permute(2, 0, 1, 3).reshape(query.shape[0], query.shape[1], -1)
+        return dense_attention(query, key, value, layout, self.softmax_scale)
 
     def _indexer_inputs(self, mla: MLAIntermediates, layout: TokenLayout):
         """Indexer projections from detached inputs: q [b,s,H,d] and w [b,s,H] for this rank's
@@ -216,9 +221,10 @@ class DSACoreAttention(MegatronModule):
         cfg = self.config
         nope, rope, dv = cfg.qk_head_dim, cfg.qk_pos_emb_head_dim, cfg.v_head_dim
         s, b, n, _ = query.shape
+        triton = use_triton_kernels(self.dsa.kernels, query)
         idx, valid = select_topk(iq[:, first:].detach(), ik.detach(), iw[:, first:].detach(),
                                  self.dsa.topk, self.dsa.query_chunk, self.dsa.indexer_dtype,
-                                 first, layout)
+                                 first, layout, triton)
         w = mla.kv_up_weight.view(n, nope + dv, cfg.kv_lora_rank)
         w_uk, w_uv = w[:, :nope], w[:, nope:]
         q_nope, q_pe = query[first:].split([nope, rope], dim=-1)
@@ -228,9 +234,13 @@ class DSACoreAttention(MegatronModule):
         if c is None:
             c = _full_sequence(mla.kv_latent, cfg.sequence_parallel)
         kv = torch.cat([c, key[:, :, 0, nope:]], dim=-1).transpose(0, 1)  # [b, L, lora + rope]
-        o_lat, head_probs = sparse_latent_attention(
-            q_abs.contiguous(), kv.contiguous(), idx, valid, self.softmax_scale,
-            cfg.kv_lora_rank, self.dsa.query_chunk)
+        if triton:
+            o_lat, head_probs = sparse_mla_triton(q_abs.contiguous(), kv.contiguous(), idx, valid,
+                                                  self.softmax_scale, cfg.kv_lora_rank)
+        else:
+            o_lat, head_probs = sparse_latent_attention(
+                q_abs.contiguous(), kv.contiguous(), idx, valid, self.softmax_scale,
+                cfg.kv_lora_rank, self.dsa.query_chunk)
         out = torch.einsum("bsnc,nvc->sbnv", o_lat, w_uv).reshape(s - first, b, n * dv)
         kl = sparse_kl(iq[:, first:], ik, iw[:, first:], idx, valid, head_probs,
                        self.dsa.query_chunk, tp_group)

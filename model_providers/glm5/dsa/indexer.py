@@ -98,7 +98,8 @@ def causal_mask(q_offset: int, c: int, length: int, device) -> torch.Tensor:
 
 
 @torch.no_grad()
-def select_topk(q, k, w, topk: int, chunk: int, dtype: str = "fp32", first: int = 0, layout=None):
+def select_topk(q, k, w, topk: int, chunk: int, dtype: str = "fp32", first: int = 0, layout=None,
+                triton: bool = False):
     """Deterministic top-k keys for query rows ``first .. first + q.shape[1] - 1``: idx
     [b, s, k'] int64 and valid [b, s, k'] (k' = min(topk, L); invalid entries are keys the
     query may not see, picked only because it sees fewer than k' keys). ``layout``
@@ -107,27 +108,38 @@ def select_topk(q, k, w, topk: int, chunk: int, dtype: str = "fp32", first: int 
 
     Causal-aware: a chunk of rows is scored only against the keys its last row can see (at
     least k' of them, so the picks are those of the full row: the hidden keys rank -inf, lowest
-    position first). fp8 keys are quantised once for all chunks."""
+    position first). fp8 keys are quantised once for all chunks. ``triton``: bf16/fp8 logits
+    from the Triton kernel (:func:`~.kernels.index_logits_triton`; fp32 stays torch)."""
     b, s = q.shape[:2]
     length = k.shape[1]
     kk = min(topk, length)
     if layout is None:
         layout = TokenLayout.build(first + s, length, device=q.device)
-    if dtype == "fp8":
+    if triton and dtype != "fp32":
+        from model_providers.glm5.dsa.fp8 import quantize_fp8
+        from model_providers.glm5.dsa.kernels import index_logits_triton
+
+        keys, scales = quantize_fp8(k, pow2_scales=True) if dtype == "fp8" else (k, None)
+
+        def score(q_c, w_c, n, lo):
+            positions = layout.q_pos[first + lo:first + lo + q_c.shape[1]]
+            return index_logits_triton(q_c, keys[:, :n], w_c, positions, dtype,
+                                       k_scale=None if scales is None else scales[:, :n])
+    elif dtype == "fp8":
         from model_providers.glm5.dsa.fp8 import fp8_logits_quantised_keys, quantize_fp8
 
         k8, ks = quantize_fp8(k, pow2_scales=True)
 
-        def score(q_c, w_c, n):
+        def score(q_c, w_c, n, lo):
             return fp8_logits_quantised_keys(q_c, k8[:, :n], ks[:, :n], w_c, causal=False)
     else:
-        def score(q_c, w_c, n):
+        def score(q_c, w_c, n, lo):
             return index_logits(q_c, k[:, :n], w_c, 0, dtype, hidden=False)
     idx = torch.empty(b, s, kk, dtype=torch.int64, device=q.device)
     for lo in range(0, s, chunk):
         hi = min(lo + chunk, s)
         n = min(length, max(kk, layout.keys_seen(first + lo, first + hi)))
-        logits = score(q[:, lo:hi], w[:, lo:hi], n)
+        logits = score(q[:, lo:hi], w[:, lo:hi], n, lo)
         logits.masked_fill_(layout.hidden(first + lo, first + hi, n), float("-inf"))
         idx[:, lo:hi] = topk_indices(logits, kk)
     return idx, layout.valid(idx, first)

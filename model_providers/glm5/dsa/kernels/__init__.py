@@ -1,5 +1,14 @@
-"""GPU kernels for DeepSeek Sparse Attention. Importing needs no GPU (and no triton)."""
+"""GPU kernels for DeepSeek Sparse Attention. Importing needs no GPU (and no triton).
+
+- :func:`sparse_mla_triton`: sparse MLA (absorbed form) forward + backward, the Triton
+  counterpart of ``sparse_attention.sparse_latent_attention``.
+- :func:`index_logits_triton`: causal indexer logits in bf16 or fp8 for any ascending query
+  positions (context-parallel zigzag runs included).
+- :func:`fp8_index_logits_triton`: the fp8 indexer on pre-quantised inputs, one query offset.
+"""
 
 from .indexer_fp8_triton import HAVE_TRITON, fp8_index_logits_triton
+from .indexer_triton import index_logits_triton
+from .sparse_mla_triton import sparse_mla_triton
 
-__all__ = ["HAVE_TRITON", "fp8_index_logits_triton"]
+__all__ = ["HAVE_TRITON", "fp8_index_logits_triton", "index_logits_triton", "sparse_mla_triton"]
