@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 #: bytes of gathered latent rows per chunk; small enough to stay in cache between the GEMMs
-GATHER_BUDGET = 24 * 2**20
+GATHER_BUDGET = 10 * 2**20
 
 
 def rows_per_chunk(k: int, dim: int, itemsize: int, requested: int) -> int:
@@ -65,21 +65,27 @@ class SparseLatentAttention(torch.autograd.Function):
         head_probs = q.new_empty(b, s, k, dtype=acc)  # attention summed over heads (the KL target)
         gather = _Gather(kv, c * k, acc)
         hidden = None if _all_visible(valid) else ~valid
+        # reused buffers: a fresh allocation of this size is fresh pages (page faults) every time
         q_scaled = q.new_empty(c, n, dim, dtype=acc)  # the softmax scale goes on q, not the scores
+        scores_buf = q.new_empty(c, n, k, dtype=acc)
+        o_buf = None if out.dtype == acc else q.new_empty(c, n, dv, dtype=acc)
         for bi in range(b):
             for lo in range(0, s, c):
                 hi = min(lo + c, s)
                 m = hi - lo
                 sel = gather(kv[bi], idx[bi, lo:hi].reshape(-1)).view(m, k, dim)
                 qc = q_scaled[:m].copy_(q[bi, lo:hi]).mul_(scale)  # upcast first, then scale
-                scores = torch.bmm(qc, sel.transpose(1, 2))  # [m, n, k]
+                scores = torch.bmm(qc, sel.transpose(1, 2), out=scores_buf[:m])  # [m, n, k]
                 if hidden is not None:
                     scores.masked_fill_(hidden[bi, lo:hi, None, :], float("-inf"))
                 row_max = scores.amax(dim=-1, keepdim=True)
                 p = scores.sub_(row_max).exp_()
                 row_sum = p.sum(dim=-1, keepdim=True)
                 p.div_(row_sum)
-                out[bi, lo:hi] = torch.bmm(p, sel[..., :dv])
+                if o_buf is None:
+                    torch.bmm(p, sel[..., :dv], out=out[bi, lo:hi])
+                else:
+                    out[bi, lo:hi] = torch.bmm(p, sel[..., :dv], out=o_buf[:m])
                 lse[bi, lo:hi] = (row_max + row_sum.log()).squeeze(-1)
                 torch.sum(p, dim=1, out=head_probs[bi, lo:hi])
         ctx.save_for_backward(q, kv, idx, valid, lse)
@@ -102,6 +108,10 @@ class SparseLatentAttention(torch.autograd.Function):
         # [q ; dO | 0] against [dS ; P] give the kv gradient's two terms in one GEMM.
         do_q = q.new_zeros(c, 2 * n, dim, dtype=acc)
         q_do = q.new_zeros(c, 2 * n, dim, dtype=acc)
+        dp_s_buf = q.new_empty(c, 2 * n, k, dtype=acc)
+        product = q.new_empty(c, n, k, dtype=acc)
+        dq_buf = q.new_empty(c, n, dim, dtype=acc)
+        contribution_buf = q.new_empty(c, k, dim, dtype=acc)
         hidden = None if _all_visible(valid) else ~valid
         for bi in range(b):
             for lo in range(0, s, c):
@@ -112,16 +122,16 @@ class SparseLatentAttention(torch.autograd.Function):
                 do_q[:m, n:].copy_(q[bi, lo:hi]).mul_(scale)
                 q_do[:m, :n] = do_q[:m, n:]
                 q_do[:m, n:, :dv] = do_q[:m, :n, :dv]
-                dp_s = torch.bmm(do_q[:m], sel.transpose(1, 2))  # [m, 2n, k]: dP ; S
+                dp_s = torch.bmm(do_q[:m], sel.transpose(1, 2), out=dp_s_buf[:m])  # dP ; S
                 p = dp_s[:, n:].sub_(lse[bi, lo:hi, :, None]).exp_()
                 if hidden is not None:
                     p.masked_fill_(hidden[bi, lo:hi, None, :], 0.0)
                 ds = dp_s[:, :n]
-                delta = (ds * p).sum(dim=-1, keepdim=True)  # rowsum(dO * O), O unrounded
+                delta = torch.mul(ds, p, out=product[:m]).sum(dim=-1, keepdim=True)  # rowsum(dO*O)
                 ds.sub_(delta).mul_(p)  # dS / scale: the scale is on q (dkv) and on dq below
-                grad_q[bi, lo:hi] = torch.bmm(ds, sel).mul_(scale)
-                contribution = torch.bmm(dp_s.transpose(1, 2), q_do[:m])  # [m, k, dim]
-                scatter_add_rows(grad_kv[bi], idx[bi, lo:hi], contribution)
+                grad_q[bi, lo:hi] = torch.bmm(ds, sel, out=dq_buf[:m]).mul_(scale)
+                contribution = torch.bmm(dp_s.transpose(1, 2), q_do[:m], out=contribution_buf[:m])
+                scatter_add_rows(grad_kv[bi], idx[bi, lo:hi], contribution)  # [m, k, dim]
         return grad_q, grad_kv.to(kv.dtype), None, None, None, None, None
 
 
