@@ -16,6 +16,7 @@ from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelpe
 
 from data_pipeline.batches import micro_batches
 from model_providers.glm5.dsa.attention import KL_TRACKER
+from model_providers.glm5.dsa.dense_attention import remember_host_document_ids
 from parallel.context_parallel import batch_on_this_cp_rank
 from parallel.megatron_compat import strict_cuda
 from parallel.device import current_device, to_device
@@ -54,6 +55,8 @@ def forward_step(data_iterator, model):
     host = next(data_iterator)
     documents = document_mask(host.get("document_ids"))
     batch = batch_on_this_cp_rank(to_device(host))
+    if documents is not None:  # the attention plans its document blocks on the host copy
+        remember_host_document_ids(batch["document_ids"], documents)
     output = model(
         batch["tokens"],
         batch["position_ids"],

@@ -121,10 +121,17 @@ def test_host_document_ids_are_copied_once_per_batch_and_never_stale():
     docs = _documents([100, 28])
     first = dense_attention_module._host_document_ids(docs)
     assert dense_attention_module._host_document_ids(docs.detach()) is first  # later layers
-    assert dense_attention_module._host_document_ids(docs[:, :64]) is not first  # prefix keys
-    assert dense_attention_module._host_document_ids(docs[:, :64]).shape == (1, 64)
+    prefix = dense_attention_module._host_document_ids(docs[:, :64])  # the sparse mode's prefix
+    assert prefix.shape == (1, 64) and prefix.data_ptr() == first.data_ptr()  # no second copy
     docs.copy_(_documents([20, 108]))  # same memory, new ids
     assert torch.equal(dense_attention_module._host_document_ids(docs), _documents([20, 108]))
+
+
+def test_the_training_step_hands_over_the_host_copy():
+    """forward_step passes the data loader's host ids with the device ones: no copy at all."""
+    device_ids, host_ids = _documents([50, 78]), _documents([50, 78])
+    dense_attention_module.remember_host_document_ids(device_ids, host_ids)
+    assert dense_attention_module._host_document_ids(device_ids) is host_ids
 
 
 class _LargestAllocation(TorchDispatchMode):

@@ -11,8 +11,9 @@ the bottom right). The blocks run under one autograd function that saves only it
 recomputes each block in backward, so neither masks nor per-block copies outlive the forward.
 
 Where documents split differently per sample, each sample gets its own blocks. Key ranges need
-the document boundaries on the host: one device -> host copy of the document ids per micro-batch
-(kept for the layers that follow, see :func:`_host_document_ids`); without documents the plan
+the document boundaries on the host: the training step hands over the data loader's host copy
+(:func:`remember_host_document_ids`, no sync); otherwise one device -> host copy per micro-batch
+(kept for the layers that follow, see :func:`_host_document_ids`). Without documents the plan
 comes from the host query positions alone.
 """
 
@@ -102,18 +103,26 @@ def _sample_blocks(pos: torch.Tensor, doc_k: Optional[torch.Tensor], batch: slic
 _host_docs: list = []  #: [(device document ids, their _version, host copy)], the latest few
 
 
+def remember_host_document_ids(device_ids: torch.Tensor, host_ids: torch.Tensor) -> None:
+    """Tell the dense path the host copy of a micro-batch's document ids it is about to see on
+    the device (the data loader had them on the host): the block plan then needs no sync."""
+    _host_docs.insert(0, (device_ids, device_ids._version, host_ids))
+    del _host_docs[4:]
+
+
 def _host_document_ids(doc_k: torch.Tensor) -> torch.Tensor:
     """Host copy of the document ids [b, L]. Every layer of a micro-batch gets the same device
-    tensor (or views and detached aliases of it), so the copy -- a device sync -- is made once:
-    an entry matches a tensor over the same memory, shape and strides, unmodified since. Entries
-    hold their tensor, so their memory cannot be reused by another batch's ids meanwhile."""
-    key = (doc_k.untyped_storage().data_ptr(), doc_k.storage_offset(), doc_k.shape,
-           doc_k.stride(), doc_k.dtype, doc_k.device)
+    tensor (or views, leading-key slices such as the sparse mode's prefix, and detached aliases
+    of it), so the copy -- a device sync -- is made once: an entry matches a tensor over the same
+    memory and strides with the same rows and at most its keys, unmodified since. Entries hold
+    their tensor, so their memory cannot be reused by another batch's ids meanwhile."""
+    key = (doc_k.untyped_storage().data_ptr(), doc_k.storage_offset(), doc_k.stride(),
+           doc_k.dtype, doc_k.device, doc_k.shape[0])
     for held, version, host in _host_docs:
-        if held._version == version and key == (held.untyped_storage().data_ptr(),
-                                                held.storage_offset(), held.shape, held.stride(),
-                                                held.dtype, held.device):
-            return host
+        if (held._version == version and doc_k.shape[1] <= held.shape[1]
+                and key == (held.untyped_storage().data_ptr(), held.storage_offset(),
+                            held.stride(), held.dtype, held.device, held.shape[0])):
+            return host if doc_k.shape[1] == host.shape[1] else host[:, :doc_k.shape[1]]
     host = doc_k.cpu()
     _host_docs.insert(0, (doc_k, doc_k._version, host))
     del _host_docs[4:]

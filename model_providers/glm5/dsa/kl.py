@@ -68,13 +68,18 @@ def _grad_buffers(q, k, w, want: bool):
 
 @torch.no_grad()
 def dense_attention_target(query_sbnd, key_bnld, scale: float, lo: int, hi: int, hidden,
-                           tp_group=None):
+                           tp_group=None, buffer=None):
     """Head-summed, normalised attention probabilities of query rows lo..hi-1 over the keys
-    of ``key_bnld`` ([b, n, keys, D] fp32) with ``hidden`` [b or 1, c, keys] masked: [b, c, keys]."""
-    q = query_sbnd[lo:hi].permute(1, 2, 0, 3).float()  # [b, n, c, D]
-    scores = torch.matmul(q, key_bnld.transpose(-1, -2)).mul_(scale)
+    of ``key_bnld`` ([b, n, keys, D] fp32) with ``hidden`` [b or 1, c, keys] masked: [b, c, keys].
+    ``buffer``: fp32 storage of at least b * n * c * keys elements for the scores (reused)."""
+    q = query_sbnd[lo:hi].permute(1, 2, 0, 3).float().mul(scale)  # [b, n, c, D]
+    b, n, c = q.shape[:3]
+    shape = (b, n, c, key_bnld.shape[2])
+    out = None if buffer is None else buffer[:b * n * c * shape[3]].view(shape)
+    scores = torch.matmul(q, key_bnld.transpose(-1, -2), out=out)
     scores.masked_fill_(hidden[:, None], float("-inf"))
-    probs = scores.softmax(dim=-1).sum(dim=1)  # [b, c, keys]
+    scores.sub_(scores.amax(dim=-1, keepdim=True)).exp_()  # softmax in place
+    probs = scores.div_(scores.sum(dim=-1, keepdim=True)).sum(dim=1)  # [b, c, keys]
     if tp_group is not None and torch.distributed.get_world_size(tp_group) > 1:
         torch.distributed.all_reduce(probs, group=tp_group)
     return probs / probs.sum(dim=-1, keepdim=True)
@@ -92,6 +97,10 @@ def dense_kl(iq, ik, iw, query_sbnd, key_sbnd, scale: float, chunk: int, tp_grou
         keys_all = key_sbnd.detach().permute(1, 2, 0, 3).float().contiguous()  # [b, n, L, D]
         k = ik.detach().float()
         dq, dk, dw = _grad_buffers(iq, ik, iw, want_grads)
+        # reused: fresh chunk-sized results are fresh pages every chunk
+        scores_buf = iq.new_empty(b * key_sbnd.shape[2] * min(chunk, s) * k.shape[1],
+                                  dtype=torch.float32)
+        per_head_buf = iq.new_empty(b * min(chunk, s) * heads * k.shape[1], dtype=torch.float32)
         total = iq.new_zeros((), dtype=torch.float32)
         for lo in range(0, s, chunk):
             hi = min(lo + chunk, s)
@@ -100,9 +109,11 @@ def dense_kl(iq, ik, iw, query_sbnd, key_sbnd, scale: float, chunk: int, tp_grou
             hidden = (causal_mask(lo, c, n, iq.device)[None] if layout is None
                       else layout.hidden(lo, hi, n))
             target = dense_attention_target(query_sbnd.detach(), keys_all[:, :, :n], scale, lo,
-                                            hi, hidden, tp_group)
+                                            hi, hidden, tp_group, scores_buf)
             q_c = iq[:, lo:hi].detach().float().reshape(b, c * heads, d)
-            per_head = torch.bmm(q_c, k[:, :n].transpose(1, 2)).view(b * c, heads, n)
+            per_head = torch.bmm(q_c, k[:, :n].transpose(1, 2),
+                                 out=per_head_buf[:b * c * heads * n].view(b, c * heads, n))
+            per_head = per_head.view(b * c, heads, n)
             value, d_ph, d_w = _kl_and_grads(
                 per_head, iw[:, lo:hi].detach().float().reshape(b * c, heads),
                 target.view(b * c, n), hidden.expand(b, c, n).reshape(b * c, n), want_grads)
@@ -132,12 +143,15 @@ def sparse_kl(iq, ik, iw, idx, valid, head_probs, chunk: int, tp_group=None):
     def run(want_grads: bool):
         dq, dk, dw = _grad_buffers(iq, ik, iw, want_grads)
         total = iq.new_zeros((), dtype=torch.float32)
-        k = ik.detach()
+        k = ik.detach().float()
+        rows_buf = k.new_empty(c_max * kk, d)  # reused: see dense_kl
+        contribution_buf = k.new_empty(c_max, kk, d)
         for bi in range(b):
             for lo in range(0, s, c_max):
                 hi = min(lo + c_max, s)
                 c = hi - lo
-                k_sel = k[bi].index_select(0, idx[bi, lo:hi].reshape(-1)).float().view(c, kk, d)
+                k_sel = torch.index_select(k[bi], 0, idx[bi, lo:hi].reshape(-1),
+                                           out=rows_buf[:c * kk]).view(c, kk, d)
                 q_c = iq[bi, lo:hi].detach().float()  # [c, H, d]
                 per_head = torch.bmm(q_c, k_sel.transpose(1, 2))  # [c, H, k]
                 value, d_ph, d_w = _kl_and_grads(per_head, iw[bi, lo:hi].detach().float(),
@@ -146,7 +160,8 @@ def sparse_kl(iq, ik, iw, idx, valid, head_probs, chunk: int, tp_group=None):
                 if want_grads:
                     dw[bi, lo:hi] = d_w
                     dq[bi, lo:hi] = torch.bmm(d_ph, k_sel)
-                    scatter_add_rows(dk[bi], idx[bi, lo:hi], torch.bmm(d_ph.transpose(1, 2), q_c))
+                    scatter_add_rows(dk[bi], idx[bi, lo:hi], torch.bmm(d_ph.transpose(1, 2), q_c,
+                                                                       out=contribution_buf[:c]))
         return _mean(total, (dq, dk, dw), b * s, want_grads)
 
     return _KLWithEagerGradients.apply(run, iq, ik, iw)
