@@ -70,6 +70,9 @@ def mla_yarn(config) -> YarnConfig | None:
                       mscale_all_dim=config.mscale_all_dim)
 
 
+KEY_BLOCK = 1024  #: keys scored per GEMM in `index_logits` (fp32)
+
+
 def index_logits(q, k, w, q_offset: int, dtype: str = "fp32", hidden=None) -> torch.Tensor:
     """Indexer scores of a query chunk: q [b, c, H, d] (queries q_offset..q_offset+c-1),
     k [b, L, d], w [b, c, H] -> [b, c, L] fp32, -inf where the key is hidden: in the future, or
@@ -81,9 +84,19 @@ def index_logits(q, k, w, q_offset: int, dtype: str = "fp32", hidden=None) -> to
         logits = quantised_index_logits(q, k, w, q_offset, dtype=dtype, causal=hidden is None)
         return logits if hidden is None or hidden is False else logits.masked_fill(hidden, float("-inf"))
     b, c, h, d = q.shape
-    per_head = torch.bmm(q.float().reshape(b, c * h, d), k.float().transpose(1, 2))  # [b, c*H, L]
-    per_head = per_head.relu_().view(b * c, h, -1)
-    logits = torch.bmm(w.float().reshape(b * c, 1, h), per_head).view(b, c, -1)
+    length = k.shape[1]
+    q_rows, w_rows = q.float().reshape(b, c * h, d), w.float().reshape(b * c, 1, h)
+    logits = torch.empty(b, c, length, dtype=torch.float32, device=q.device)
+    # key blocks: each block's per-head scores [b, c*H, block] stay cache-resident between the
+    # GEMM, the ReLU and the weighted head sum (unblocked, they stream through memory 4 times)
+    differentiable = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, w))
+    per_head = None if differentiable else q_rows.new_empty(b, c * h, min(length, KEY_BLOCK))
+    for lo in range(0, length, KEY_BLOCK):
+        hi = min(lo + KEY_BLOCK, length)
+        block = torch.bmm(q_rows, k[:, lo:hi].float().transpose(1, 2),
+                          out=None if per_head is None else per_head[:, :, :hi - lo])
+        summed = torch.bmm(w_rows, block.relu_().view(b * c, h, hi - lo))
+        logits[:, :, lo:hi] = summed.view(b, c, hi - lo)
     if hidden is False:
         return logits
     if hidden is None:

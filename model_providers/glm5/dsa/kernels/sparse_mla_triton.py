@@ -46,15 +46,11 @@ from __future__ import annotations
 
 import torch
 
-try:
+from .indexer_fp8_triton import HAVE_TRITON
+
+if HAVE_TRITON:
     import triton
     import triton.language as tl
-
-    HAVE_TRITON = True
-except ImportError:  # pragma: no cover - triton is a pinned dependency
-    triton = None
-    tl = None
-    HAVE_TRITON = False
 
 PRECISE = True  #: 16-bit inputs: P and dS enter their GEMMs as hi + lo parts (fp32-like results)
 HEAD_GROUP = 64  #: heads per program at most (the GEMM M dim); more heads use several programs
