@@ -21,9 +21,11 @@ from model_providers.glm5.dsa.sparse_attention import rows_per_chunk, scatter_ad
 
 def _kl_rows(target: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
     """sum over rows of KL(target_row || softmax(logits_row)); target rows sum to 1."""
-    logq = torch.log_softmax(logits, dim=-1)
-    terms = torch.where(target > 0, target * (target.clamp_min(1e-30).log() - logq), 0.0)
-    return terms.sum()
+    return _kl_sum(target, torch.log_softmax(logits, dim=-1))
+
+
+def _kl_sum(target: torch.Tensor, logq: torch.Tensor) -> torch.Tensor:
+    return torch.where(target > 0, target * (target.clamp_min(1e-30).log() - logq), 0.0).sum()
 
 
 def _kl_and_grads(per_head, w, target, hidden, want_grads: bool):
@@ -33,7 +35,7 @@ def _kl_and_grads(per_head, w, target, hidden, want_grads: bool):
     relu = per_head.relu()
     logits = torch.bmm(w.view(rows, 1, heads), relu).view(rows, n).masked_fill_(hidden, float("-inf"))
     logq = torch.log_softmax(logits, dim=-1)
-    value = torch.where(target > 0, target * (target.clamp_min(1e-30).log() - logq), 0.0).sum()
+    value = _kl_sum(target, logq)
     if not want_grads:
         return value, None, None
     d_logits = logq.exp_().sub_(target)  # softmax - target (0 at hidden keys)
