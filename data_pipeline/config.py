@@ -237,6 +237,8 @@ def check_data(cfg: DataConfig, model_vocab_size: Optional[int] = None, check_pa
     return problems
 
 
+    if not check_paths and cfg.tokenizer.path is not None:
+        return problems  # the tokenizer file is on the cluster
 def validate_data(cfg: DataConfig, model_vocab_size: Optional[int] = None) -> None:
     problems = check_data(cfg, model_vocab_size)
     if problems:

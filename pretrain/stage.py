@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass
 from typing import Optional
 
-from pretrain import checkpoint
+from pretrain import checkpoint, memory_report
 from pretrain.checkpoint import TrainState
 from pretrain.console import checkpoint_line
 from pretrain.curriculum import Stage
@@ -44,6 +44,18 @@ def restrict_trainable(model_chunks, patterns: list[str]) -> None:
                 param.requires_grad = False
 
 
+def wrap_ddp(tcfg, chunks, par) -> list:
+    """megatron DDP around each model chunk as every stage trains it: fp32 gradient buffers, the
+    distributed optimizer's padded param buffers when ``par.distributed_optimizer`` (the planner
+    sizes these same wrappers on the meta device: ``pretrain.plan.meta_build``)."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    ddp_cfg = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, use_distributed_optimizer=par.distributed_optimizer)
+    return [DistributedDataParallel(config=tcfg, ddp_config=ddp_cfg, module=c, disable_bucketing=i > 0)
+            for i, c in enumerate(chunks)]
+
+
 def _stage_start_state(stage: Stage, previous: Optional[TrainState]) -> TrainState:
     if previous is None:
         return TrainState(stage=stage.name)
@@ -70,7 +82,6 @@ def run_stage(stage: Stage, how: str, latest: Optional[str], ctx: RunContext,
     ``save_final``: write the stage-final checkpoint (always, except ``checkpoint.save_at_end:
     false`` on the run's last stage)."""
     from megatron.core import tensor_parallel
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
     from data_pipeline.build import CategoryTokens, build_datasets, build_train_dataset
     from model_providers.glm5.config import to_transformer_config
@@ -101,10 +112,7 @@ def run_stage(stage: Stage, how: str, latest: Optional[str], ctx: RunContext,
         checkpoint.load(source, chunks)  # before DDP/optimizer copy the params
     elif how == "carry":
         checkpoint.load(latest, chunks)
-    ddp_cfg = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True, use_distributed_optimizer=rc.parallel.distributed_optimizer)
-    ddp = [DistributedDataParallel(config=tcfg, ddp_config=ddp_cfg, module=c, disable_bucketing=i > 0)
-           for i, c in enumerate(chunks)]
+    ddp = wrap_ddp(tcfg, chunks, rc.parallel)
     optimizer = build_optimizer(ddp, rc.optimizer, rc.precision.dtype, rc.parallel.distributed_optimizer)
     scheduler = build_scheduler(optimizer, rc.optimizer, rc.scheduler, stage.steps)
     probe = configure_model_hooks(tcfg, ddp, optimizer)
@@ -136,6 +144,7 @@ class _StageTrainer:
         from model_providers.glm5.flops import train_flops_per_token
 
         self.save_final = save_final
+        self.memory_written = False
         self.stage, self.ddp, self.optimizer, self.scheduler = stage, ddp, optimizer, scheduler
         self.probe, self.dataset, self.valid, self.categories, self.ctx = probe, dataset, valid, categories, ctx
         rc, t = stage.rc, stage.rc.trainer
@@ -164,6 +173,9 @@ class _StageTrainer:
             state.category_tokens = {k: state.tokens_before_stage.get(k, 0) + stage_counts.get(k, 0)
                                      for k in {**state.tokens_before_stage, **stage_counts}}
             record = self._record(state, stats, lr)
+            if not self.memory_written and not stats.skipped:  # once a stage: what this rank holds
+                self.memory_written = memory_report.write(self.ctx.run_dir, self.ctx.env.rank, stage.name,
+                                                          state.step, self.ddp, self.optimizer)
             last = state.stage_step == stage.steps
             if self.valid is not None and (state.stage_step % t.eval_every == 0 or last):
                 record["valid_lm_loss"] = evaluate(self.ddp, self.valid, t, t.eval_samples)

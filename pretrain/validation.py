@@ -17,8 +17,10 @@ from pretrain.overrides import Change, reach
 __all__ = ["ConfigError", "check_run", "plan_run", "override_notes"]
 
 
-def check_run(rc: RunConfig, world_size: int):
-    """Problems of one (stage's) run config at ``world_size``: ``(layout or None, problems)``."""
+def check_run(rc: RunConfig, world_size: int, check_paths: bool = True):
+    """Problems of one (stage's) run config at ``world_size``: ``(layout or None, problems)``.
+    ``check_paths=False`` leaves out what only the cluster can check (corpus and tokenizer files):
+    the planner runs where they are not."""
     from data_pipeline.config import check_data
     from model_providers.glm5.config import check_model
     from parallel.config import check_layout
@@ -37,10 +39,12 @@ def check_run(rc: RunConfig, world_size: int):
         global_batch_size=t.global_batch_size,
     )
     problems += layout_problems
+    if layout is not None and rc.model.num_experts:
+        problems += _dense_only_pipeline_ranks(rc, layout)
     problems += check_schedule(rc.scheduler, rc.optimizer, t.steps)
     if t.steps < 0:
         problems.append(f"trainer.steps={t.steps} must be >= 0")
-    problems += check_data(rc.data, rc.model.vocab_size)
+    problems += check_data(rc.data, rc.model.vocab_size, check_paths)
     if rc.logger.wandb.mode not in ("online", "offline", "disabled"):
         problems.append(f"logger.wandb.mode={rc.logger.wandb.mode!r} must be online, offline or disabled")
     if layout is not None and t.eval_every and t.eval_samples % (t.micro_batch_size * layout.dp):
@@ -49,7 +53,25 @@ def check_run(rc: RunConfig, world_size: int):
     return layout, problems
 
 
-def plan_run(rc: RunConfig, world_size: int, changes: Sequence[Change] = ()) -> list:
+def _dense_only_pipeline_ranks(rc: RunConfig, layout) -> list[str]:
+    """megatron's MoE aux-loss tracker all-reduces over the pipeline group from the ranks that
+    hold MoE layers only: a pipeline rank with none (all its layers among the first_k_dense)
+    never joins, and the step hangs."""
+    pp, counts = rc.parallel.pp, layout.layers_per_stage
+    starts = [sum(counts[:c]) for c in range(len(counts))]
+    problems = []
+    for r in range(pp):
+        moe = sum(max(0, starts[c] + counts[c] - max(starts[c], rc.model.first_k_dense))
+                  for c in range(r, len(counts), pp))
+        if moe == 0:
+            problems.append(
+                f"pipeline rank {r} holds no MoE layer (its layers are among model.first_k_dense="
+                f"{rc.model.first_k_dense}): megatron's MoE loss all-reduce over the pipeline would "
+                f"hang; give it more layers (parallel.first_stage_layers={rc.parallel.first_stage_layers})")
+    return problems
+
+
+def plan_run(rc: RunConfig, world_size: int, changes: Sequence[Change] = (), check_paths: bool = True) -> list:
     """The curriculum's stages, each checked as a whole run config, and ``changes`` (what the
     command line set: :func:`pretrain.overrides.changed_fields`) checked to reach a stage.
     Raises :class:`ConfigError` listing every problem; a problem shared by several stages is
@@ -60,7 +82,7 @@ def plan_run(rc: RunConfig, world_size: int, changes: Sequence[Change] = ()) -> 
     implicit = not rc.curriculum.stages
     by_problem: dict[str, list[str]] = {}
     for st in stages:
-        for p in check_run(st.rc, world_size)[1]:
+        for p in check_run(st.rc, world_size, check_paths)[1]:
             by_problem.setdefault(p, []).append(st.name)
     for p, names in by_problem.items():
         if implicit:

@@ -43,8 +43,11 @@ class MatrixSpec:
 
 
 def uses_adam(name: str, param: torch.Tensor) -> bool:
+    """``shared_embedding``: megatron keeps a copy of the word embedding on the last pipeline
+    stage for MTP (flagged only that way); its gradient is summed with the first stage's, and it
+    must get the same (Adam) update or the two copies drift apart."""
     return (param.ndim != 2 or getattr(param, "is_embedding_or_output_parameter", False)
-            or ".router." in f".{name}")
+            or getattr(param, "shared_embedding", False) or ".router." in f".{name}")
 
 
 def _head_blocks(name: str, shape, tcfg, split: str) -> Optional[tuple]:

@@ -33,6 +33,16 @@ def reference(tmp_path_factory):
     return root, ckpt, read_metrics(str(ref_dir))
 
 
+def _assert_memory_as_planned(run_dir):
+    """Each rank's weights, grads, main params and optimizer state, measured after its first step
+    (memory/rank<N>.json), are the planner's numbers for its pipeline and data-parallel ranks."""
+    from pretrain.plan.memory import compare_with_run
+
+    rows = compare_with_run(str(run_dir))
+    assert rows and all(r["predicted"] == r["measured"] for r in rows), [
+        r for r in rows if r["predicted"] != r["measured"]]
+
+
 def _common(ckpt, run_dir):
     return [f"trainer.run_dir={run_dir}", f"trainer.steps={STEPS}", f"checkpoint.init_from={ckpt}",
             "checkpoint.save_at_end=false"]
@@ -53,3 +63,10 @@ def test_losses_match_single_rank(reference, layout):
             assert have[key] == pytest.approx(want[key], rel=REL_TOL), (layout, want["step"], key)
     # the loss moved: parity of a model that does not train would prove little
     assert ref[-1]["lm_loss"] < ref[0]["lm_loss"] - 0.05
+    _assert_memory_as_planned(run_dir)
+
+
+@pytest.mark.heavy
+def test_single_rank_memory_as_planned(reference):
+    root, _, _ = reference
+    _assert_memory_as_planned(root / "single")

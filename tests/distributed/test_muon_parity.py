@@ -22,9 +22,21 @@ LAYOUTS = {
     "tp2": (2, TP2),
     "dp2_distopt": (2, ["parallel=dp2_distopt"]),
     "tp2_dp2_distopt": (4, TP2 + ["parallel.distributed_optimizer=true"]),
+    # the last stage's MTP copy of the word embedding must be stepped like the first stage's
+    "pp2": (2, ["parallel.pp=2"]),
 }
 
 pytestmark = pytest.mark.heavy
+
+
+def _assert_memory_as_planned(run_dir):
+    """Each rank's weights, grads, main params and optimizer state (Muon: momentum and the zero
+    ``exp_avg_sq``; Adam for the rest), measured after its first step, are the planner's."""
+    from pretrain.plan.memory import compare_with_run
+
+    rows = compare_with_run(str(run_dir))
+    assert rows and all(r["predicted"] == r["measured"] for r in rows), [
+        r for r in rows if r["predicted"] != r["measured"]]
 
 
 def _common(ckpt, run_dir):
@@ -49,6 +61,8 @@ def test_muon_moves_away_from_adam(reference):
     for m, a in zip(muon[2:], adam[2:]):
         assert abs(m["lm_loss"] - a["lm_loss"]) > 1e-3, m["step"]
     assert muon[-1]["lm_loss"] < muon[0]["lm_loss"] - 0.05
+    _assert_memory_as_planned(root / "single")
+    _assert_memory_as_planned(root / "adam")
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
@@ -64,3 +78,4 @@ def test_muon_losses_match_single_rank(reference, layout):
     for want, have in zip(ref, got):
         for key in ("lm_loss", "mtp_loss", "loss"):
             assert have[key] == pytest.approx(want[key], rel=REL_TOL), (layout, want["step"], key)
+    _assert_memory_as_planned(run_dir)

@@ -52,3 +52,21 @@ def test_tiny_model_muon_and_adam_parameters(tiny_chunks):
     assert all(s.tp_group is None for s in specs.values())  # one rank: nothing to gather
     whole = muon_matrices(tiny_chunks, "none")
     assert all(s.block_rows is None for s in whole.values()) and len(whole) == len(specs)
+
+
+def test_the_last_stage_mtp_embedding_copy_is_adam_like_the_first_stage_embedding():
+    """With pipeline parallelism megatron keeps a copy of the word embedding on the last stage for
+    MTP; its gradient is summed with the first stage's copy, so it must take the same optimizer."""
+    from pretrain.config import compose, to_run_config
+    from pretrain.curriculum import plan
+    from pretrain.optim.matrices import uses_adam
+    from pretrain.plan.meta_build import build_rank
+    from pretrain.validation import check_run
+
+    st = plan(to_run_config(compose(["parallel=tp2_pp2", "optimizer=muon_split"])))[0][0]
+    layout, problems = check_run(st.rc, 4, check_paths=False)
+    assert not problems
+    for pp_rank in (0, 1):
+        names = {n: p for c in build_rank(st.rc, layout, pp_rank).chunks for n, p in c.named_parameters()}
+        embedding = names["embedding.word_embeddings.weight"]
+        assert uses_adam("embedding.word_embeddings.weight", embedding), pp_rank

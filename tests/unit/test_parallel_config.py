@@ -429,3 +429,17 @@ def test_accepted_layouts_place_every_layer_exactly_once():
                         assert len(counts) == pp * (vpp or 1)
                         assert min(counts) >= 1, (par, num_layers, counts)
     assert accepted > 50
+
+
+def test_a_pipeline_rank_without_moe_layers_is_refused():
+    """megatron's MoE loss all-reduce over the pipeline runs on ranks with MoE layers only: a rank
+    holding only the first_k_dense layers would hang the step."""
+    from pretrain.config import compose, to_run_config
+    from pretrain.validation import check_run
+
+    base = ["curriculum=none", "parallel.pp=2", "trainer.global_batch_size=16"]
+    assert check_run(to_run_config(compose(base)), 2, check_paths=False)[1] == []
+    problems = check_run(to_run_config(compose([*base, "model.num_layers=2"])), 2, check_paths=False)[1]
+    assert problems == ["pipeline rank 0 holds no MoE layer (its layers are among model.first_k_dense=1): "
+                        "megatron's MoE loss all-reduce over the pipeline would hang; give it more layers "
+                        "(parallel.first_stage_layers=None)"]
