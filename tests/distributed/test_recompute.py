@@ -23,3 +23,19 @@ def test_recompute_gives_the_same_training(tmp_path, recompute):
             assert b[key] == pytest.approx(a[key], rel=1e-6), (a["step"], key)
         # the KL (~3e-4) is a difference of O(1) sums: recomputed up-projections move it ~1e-9
         assert b["indexer_kl"] == pytest.approx(a["indexer_kl"], rel=1e-5, abs=1e-8), a["step"]
+
+
+@pytest.mark.heavy
+def test_full_recompute_trains_the_indexer_in_warmup(tmp_path):
+    """Warm-up freezes everything but the indexer, the embedding included: under full
+    recomputation the first layer's checkpoint then had no input needing a gradient, and no
+    indexer trained (grad_norm 0, no KL)."""
+    warmup = [*COMMON, "model.dsa.mode=warmup"]
+    run_train([*warmup, f"trainer.run_dir={tmp_path / 'plain'}"])
+    run_train([*warmup, f"trainer.run_dir={tmp_path / 'full'}", "model.recompute=full"])
+    want, have = read_metrics(str(tmp_path / "plain")), read_metrics(str(tmp_path / "full"))
+    assert len(want) == len(have) == 3
+    assert all(a["grad_norm"] > 0 for a in want)
+    for a, b in zip(want, have):
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-6), a["step"]
+        assert b["indexer_kl"] == pytest.approx(a["indexer_kl"], rel=1e-5, abs=1e-8), a["step"]
