@@ -6,8 +6,8 @@ data exists, so a bad launch fails in a second with a message naming the fields 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional
+from dataclasses import dataclass, field
+from typing import Any, Dict, Optional
 
 
 @dataclass
@@ -28,6 +28,11 @@ class ParallelConfig:
     #: live on the GPU and fails where CUDA would (host tensor mixed in, host tensor handed to an
     #: NCCL collective), counting host syncs per step (``host_syncs`` in the metrics)
     cpu_emulation: str = "plain"
+    #: layouts of a curriculum's stages on this cluster, by stage name: ``{stage: {field: value}}``
+    #: over the stage's own ``parallel`` fields (and ``recompute``: none | selective | full, over
+    #: the stage's). A cluster preset knows which layout each stage of a recipe needs there
+    #: (``python -m pretrain.plan --search`` finds them); the recipe does not.
+    stages: Dict[str, Dict[str, Any]] = field(default_factory=dict)
 
     @property
     def expert_tp(self) -> int:

@@ -144,6 +144,12 @@ def _apply(rc, s: StageConfig, steps: int, where: str, problems: list):
         out.model.recompute = None if s.recompute == "none" else s.recompute
     if s.parallel:
         out.parallel = _merged(out.parallel, s.parallel, f"{where}.parallel", problems)
+    if s.name in rc.parallel.stages:  # the cluster preset's layout for this stage comes last
+        layout = dict(rc.parallel.stages[s.name])
+        recompute = layout.pop("recompute", None)
+        if recompute is not None:
+            out.model.recompute = None if recompute == "none" else recompute
+        out.parallel = _merged(out.parallel, layout, f"parallel.stages.{s.name}", problems)
     opt, sch = out.optimizer, out.scheduler
     opt.lr, opt.min_lr = _or(s.lr.peak, opt.lr), _or(s.lr.end, opt.min_lr)
     muon = opt.muon
@@ -235,6 +241,9 @@ def plan(rc) -> tuple[List[Stage], List[str]]:
         stages.append(st)
     _assign_data_offsets(stages)
     names = [s.name for s in stages]
+    for n in rc.parallel.stages:
+        if n not in names:
+            problems.append(f"parallel.stages.{n}: no curriculum stage is named {n!r} (stages: {names})")
     for n in sorted({n for n in names if names.count(n) > 1}):
         problems.append(f"curriculum.stages: the name {n!r} is used more than once")
     for key in ("start", "only"):

@@ -61,8 +61,12 @@ def stage_field(run_field: str) -> Optional[str]:
     return None
 
 
-def _stage_value(stage_cfg, stage_steps: int, run_field: str, field: str):
-    """The stage's own value of ``field`` (None when it leaves it to the run)."""
+def _stage_value(stage_cfg, stage_steps: int, run_field: str, field: str, preset: Optional[dict] = None):
+    """The stage's own value of ``field`` (None when it leaves it to the run); ``preset``: the
+    cluster preset's entry for the stage (``parallel.stages.<name>``), which comes last."""
+    key = "recompute" if field == "recompute" else field[len("parallel."):] if field.startswith("parallel.") else None
+    if preset and key in preset:
+        return preset[key]
     if run_field == "scheduler.decay_steps":
         return stage_steps
     if field == "steps":
@@ -120,7 +124,8 @@ def changed_fields(overrides: list[str], compose: Callable[[list[str]], DictConf
     return list(changes.values())
 
 
-def reach(curriculum_stages: list, stage_steps: list[int], changes: list[Change]) -> tuple[list[str], list[str]]:
+def reach(curriculum_stages: list, stage_steps: list[int], changes: list[Change],
+          preset_stages: Optional[dict] = None) -> tuple[list[str], list[str]]:
     """(problems, notes). A value override that no stage receives is a problem; so is a group
     choice none of whose changes reaches a stage (``scheduler=wsd`` when every stage sets its
     ``lr.style``). A change that some stages (or, for a group choice, only some of its fields)
@@ -134,7 +139,7 @@ def reach(curriculum_stages: list, stage_steps: list[int], changes: list[Change]
         field = stage_field(ch.field)
         own = [] if field is None else [
             (i, s.name, v) for i, (s, n) in enumerate(zip(curriculum_stages, stage_steps))
-            if (v := _stage_value(s, n, ch.field, field)) is not None]
+            if (v := _stage_value(s, n, ch.field, field, (preset_stages or {}).get(s.name))) is not None]
         group_reaches[ch.override] = group_reaches.get(ch.override, False) or len(own) < len(curriculum_stages)
         if own:
             unreached.append((ch, field, own))

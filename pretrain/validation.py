@@ -97,7 +97,7 @@ def plan_run(rc: RunConfig, world_size: int, changes: Sequence[Change] = (), che
         from pretrain.checkpoint import resolve_init_from
 
         problems += [why for why in resolve_init_from(rc.checkpoint.init_from)[1:] if why]
-    problems += reach(rc.curriculum.stages, [st.steps for st in stages], list(changes))[0]
+    problems += reach(rc.curriculum.stages, [st.steps for st in stages], list(changes), rc.parallel.stages)[0]
     if problems:
         raise ConfigError("invalid run config" if implicit else "invalid curriculum", problems)
     return stages
@@ -105,5 +105,5 @@ def plan_run(rc: RunConfig, world_size: int, changes: Sequence[Change] = (), che
 
 def override_notes(rc: RunConfig, stages: list, changes: Sequence[Change]) -> list[str]:
     """Command-line changes that reach only some stages (the others set their own value)."""
-    return reach(rc.curriculum.stages, [st.steps for st in stages], list(changes))[1]
+    return reach(rc.curriculum.stages, [st.steps for st in stages], list(changes), rc.parallel.stages)[1]
 

@@ -219,3 +219,24 @@ def test_glm5_curriculum_trains_with_muon_split_and_stage_lrs_reach_muon():
     assert by["dsa_sparse"].rc.optimizer.muon.lr == pytest.approx(1e-5)
     ratio = plan(_rc("optimizer=muon_split", "optimizer.muon.lr=4e-3"))  # tiny: adam lr 3e-3 -> 2e-4
     assert ratio[0].rc.optimizer.muon.lr == pytest.approx(3e-3 * 4e-3 / 2e-4)
+
+
+def test_a_cluster_preset_sets_a_stage_layout_over_the_stage_own_fields():
+    stages = plan(_rc("curriculum=glm5", "model=glm5_744b", "data=samples", "parallel.tp=2",
+                      "parallel.sequence_parallel=true",
+                      "+parallel.stages={midtrain_32k: {cp: 4, pp: 2, recompute: full}, dsa_warmup: {vpp: null}}"))
+    by = {s.name: s.rc.parallel for s in stages}
+    assert (by["midtrain_32k"].cp, by["midtrain_32k"].pp, by["midtrain_32k"].tp) == (4, 2, 2)  # cp: 2 in the recipe
+    assert by["midtrain_128k"].cp == 8 and by["midtrain_128k"].pp == 1  # the recipe's own
+    assert by["pretrain_general"].cp == 1
+    assert stages[2].rc.model.recompute == "full" and stages[3].rc.model.recompute == "selective"
+
+
+def test_a_cluster_preset_naming_no_stage_is_refused():
+    stages, problems = plan_with_problems(_rc("curriculum=glm5", "model=glm5_744b", "data=samples",
+                                              "+parallel.stages={midtrain_32K: {cp: 4}}"))
+    assert any(p.startswith("parallel.stages.midtrain_32K: no curriculum stage is named 'midtrain_32K'")
+               for p in problems), problems
+    stages, problems = plan_with_problems(_rc("curriculum=glm5", "model=glm5_744b", "data=samples",
+                                              "+parallel.stages={midtrain_32k: {cpp: 4}}"))
+    assert any("parallel.stages.midtrain_32k" in p and "cpp" in p for p in problems), problems

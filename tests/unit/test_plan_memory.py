@@ -65,13 +65,17 @@ def test_meta_build_has_the_models_parameters(model, tp, ep, vocab):
     assert {p.device.type for c in rank.chunks for p in c.parameters()} == {"meta"}
 
 
+#: the 512-GPU layout GLM-5 shipped with first (TP2 SP, PP8 x VPP2, 8 / 10 layer ends, EP32)
+LAYOUT_512 = ["parallel.tp=2", "parallel.pp=8", "parallel.vpp=2", "parallel.ep=32", "parallel.sequence_parallel=true", "parallel.first_stage_layers=8", "parallel.last_stage_layers=10", "parallel.distributed_optimizer=true"]
+
+
 def test_744b_pipeline_ranks_of_the_512gpu_layout():
-    """glm5_512gpu (TP2 SP, PP8 x VPP2 with 8 / 10 layer ends, EP32): the first rank embeds, the
+    """A 512-GPU layout (TP2 SP, PP8 x VPP2 with 8 / 10 layer ends, EP32): the first rank embeds, the
     last holds the output layer, the MTP layer and the MTP's copy of the embedding; all eight
     together are the model plus that copy. Ranks 0 and 7 build within the budget."""
     from pretrain.model_size import model_size
 
-    rc = _rc("model=glm5_744b", "parallel=glm5_512gpu", "precision=bf16")
+    rc = _rc("model=glm5_744b", "precision=bf16", *LAYOUT_512)
     layout = _layout(rc, 512)
     start = time.perf_counter()
     first, last = build_rank(rc, layout, 0), build_rank(rc, layout, 7)

@@ -25,7 +25,7 @@ DSV3 = GLM5Config(num_layers=61, first_k_dense=3, hidden_size=7168, ffn_hidden_s
                   qk_rope_head_dim=64, v_head_dim=128, num_experts=256, moe_topk=8,
                   num_shared_experts=1, moe_ffn_hidden_size=2048, vocab_size=129280,
                   mtp_num_steps=1, recompute=None)
-#: GLM-5's shipped 512-GPU layout (conf/parallel/glm5_512gpu.yaml)
+#: the 512-GPU layout GLM-5 shipped with first (before the planner's presets)
 GLM5_512 = dict(tp=2, pp=8, vpp=2, ep=32, sequence_parallel=True, first_stage_layers=8,
                 last_stage_layers=10, distributed_optimizer=True)
 
