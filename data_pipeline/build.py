@@ -1,14 +1,15 @@
 """What a training run calls: the blended train (and valid) datasets of the active mixture.
 
-``build_train_dataset(data_cfg, seq_length, seed, run_dir, vocab_size, num_samples)``, called
-once on every rank, before the model is built: rank 0 verifies each corpus and preprocesses
+``build_datasets(data_cfg, seq_length, seed, run_dir, vocab_size, num_samples, valid_samples)``,
+called once on every rank, before the model is built: rank 0 verifies each corpus and preprocesses
 whatever is missing, stale or damaged (other ranks wait on the broadcast of its result, and raise
-its error if it fails), then every rank builds megatron's
-``BlendedMegatronDatasetBuilder`` over the corpora's shards with ``CorpusDataset``; the shard
-weights are the corpus weight split by the shard's share of the corpus's tokens. Indices are
-cached under ``<run_dir>/data_index/<key>/`` (``.complete`` written last). The result indexes
+its error if it fails), then every rank builds megatron's ``BlendedMegatronDatasetBuilder`` with
+``CorpusDataset`` over the corpora's shard groups (:mod:`data_pipeline.blend`: consecutive shards
+read as one dataset; weights = corpus weight x the group's share of the corpus's tokens). Indices
+are cached under ``<run_dir>/data_index/<key>/`` (``.complete`` written last). The result indexes
 by global sample number and knows each sample's corpus and category
-(:meth:`MixtureDataset.category_counts`).
+(:meth:`MixtureDataset.category_counts`); the validation blend is sized so that every category of
+the mixture has its share of held-out samples (:meth:`MixtureDataset.stratified`).
 """
 
 from __future__ import annotations
@@ -26,15 +27,19 @@ from data_pipeline.config import DataConfig, DataConfigError, active_weights, sp
 
 
 class MixtureDataset(torch.utils.data.Dataset):
-    """Blended samples (dicts of [seq_length] tensors) + which corpus each came from."""
+    """Blended samples (dicts of [seq_length] tensors) + which corpus each came from.
+    ``weights``: corpus -> mixture weight (gives each category's share, :attr:`category_shares`)."""
 
-    def __init__(self, dataset, corpus_of_dataset: list[str], categories: dict[str, str]):
+    def __init__(self, dataset, corpus_of_dataset: list[str], categories: dict[str, str],
+                 weights: dict[str, float] | None = None):
         self.dataset = dataset
         self.corpus_of_dataset = corpus_of_dataset
         self.categories = sorted(set(categories[c] for c in corpus_of_dataset))
         self._category_of_dataset = np.array([self.categories.index(categories[c]) for c in corpus_of_dataset])
         self._corpora = sorted(set(corpus_of_dataset))
         self._corpus_of_dataset = np.array([self._corpora.index(c) for c in corpus_of_dataset])
+        self.category_shares = category_shares(corpus_of_dataset, categories, weights)
+        self._stratified: dict = {}
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -61,6 +66,52 @@ class MixtureDataset(torch.utils.data.Dataset):
     def corpus_counts(self, start: int, stop: int) -> dict[str, int]:
         counts = np.bincount(self._corpus_of_dataset[self.dataset_ids(start, stop)], minlength=len(self._corpora))
         return {c: int(n) for c, n in zip(self._corpora, counts)}
+
+    def stratified(self, total: int) -> tuple[list[int], list[int]]:
+        """``total`` sample numbers, split as evenly as possible over :attr:`categories` (the
+        first ones get the remainder), each category's the first of it in the blend's order that
+        have loss tokens (then, if too few, the first without); and the category (index into
+        :attr:`categories`) of each. Deterministic: the same set at every evaluation and after a
+        resume; computed once per ``total``."""
+        cats = self._category_of_dataset[self.dataset_ids(0, len(self))]
+        k = len(self.categories)
+        if total < k:
+            raise DataConfigError(f"{total} validation samples cannot hold one of each of the {k} categories "
+                                  f"{self.categories} (trainer.eval_samples / data.valid_samples)")
+        if total in self._stratified:
+            return self._stratified[total]
+        indices, labels = [], []
+        for c in range(k):
+            want = total // k + (c < total % k)
+            found = np.flatnonzero(cats == c)
+            if len(found) < want:
+                raise DataConfigError(f"the validation blend has {len(found)} samples of category "
+                                      f"{self.categories[c]!r}, {want} are needed")
+            with_loss, without = [], []  # a sample whose targets are all masked teaches nothing
+            for i in found.tolist():
+                (with_loss if float(self[i]["loss_mask"].sum()) > 0 else without).append(i)
+                if len(with_loss) == want:
+                    break
+            indices += (with_loss + without)[:want]
+            labels += [c] * want
+        self._stratified[total] = indices, labels
+        return indices, labels
+
+
+def category_shares(corpora, categories: dict[str, str], weights: dict[str, float] | None) -> dict[str, float]:
+    """Each category's share of the mixture's weight (equal shares of the corpora without weights)."""
+    corpora = sorted(set(corpora))
+    weights = weights or {c: 1.0 for c in corpora}
+    total = sum(weights[c] for c in corpora)
+    return {k: sum(weights[c] for c in corpora if categories[c] == k) / total
+            for k in sorted(set(categories[c] for c in corpora))}
+
+
+def valid_blend_size(per_category: int, shares: dict[str, float], datasets: dict[str, int]) -> int:
+    """Samples a blend must have for each category to get ``per_category`` of them: megatron's
+    blending keeps every dataset within about one sample of its weight x position, so a
+    category of ``share`` over ``n`` datasets has at least ``share x size - 2 n``."""
+    return max(int(np.ceil((per_category + 2 * datasets[c]) / share)) for c, share in shares.items())
 
 
 class CategoryTokens:
@@ -117,62 +168,54 @@ def _process_group():
         dist.destroy_process_group()
 
 
-def _check_splits(outputs: dict, split: str) -> None:
-    """megatron splits each shard's documents by ``split``; an empty share would loop forever."""
-    from megatron.core.datasets.blended_megatron_dataset_config import convert_split_vector_to_split_matrix
-
-    vec = split_vector(split)
-    matrix = convert_split_vector_to_split_matrix([v / sum(vec) for v in vec])
-    for name, out in outputs.items():
-        for prefix, shard in zip(out.prefixes, out.stats["shards"]):
-            n = shard["documents"]
-            for which, bounds in zip(("train", "valid", "test"), matrix):
-                if bounds is not None and int(round(bounds[1] * n)) - int(round(bounds[0] * n)) < 1:
-                    raise DataConfigError(
-                        f"corpus {name!r}: shard {os.path.basename(prefix)} has {n} documents, so "
-                        f"data.split={split!r} leaves its {which} split empty; use fewer "
-                        f"data.preprocess.tasks or a split without that share")
-
-
 def build_datasets(cfg: DataConfig, seq_length: int, seed: int, run_dir: str, vocab_size: int,
                    num_samples: int, valid_samples: int | None = None):
-    """(train, valid) ``MixtureDataset``s; valid is None when the split has no valid share."""
+    """(train, valid) ``MixtureDataset``s; valid is None when the split has no valid share.
+    ``valid_samples`` (default ``data.valid_samples``): held-out samples the caller will take
+    with :meth:`MixtureDataset.stratified`."""
+    outputs = _prepared(cfg)  # the config was validated before any compute (pretrain.validation)
+    return build_mixture(cfg, outputs, seq_length, seed, run_dir, vocab_size, num_samples, valid_samples)
+
+
+def build_mixture(cfg: DataConfig, outputs: dict, seq_length: int, seed: int, run_dir: str, vocab_size: int,
+                  num_samples: int, valid_samples: int | None = None):
+    """:func:`build_datasets` from finished corpus outputs (``preprocess.CorpusOutput`` by name)."""
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 
     from data_pipeline import tokenizer
+    from data_pipeline.blend import check_splits, plan_blend
     from data_pipeline.fsutil import file_digest, fingerprint
     from data_pipeline.gpt_corpus import CorpusDataset, CorpusDatasetConfig, TokenizerInfo
 
-    outputs = _prepared(cfg)  # the config was validated before any compute (pretrain.validation)
-    _check_splits(outputs, cfg.split)
     weights = active_weights(cfg)
-    prefixes, shard_weights, owners, layouts = [], [], [], {}
-    for name, w in weights.items():
-        out = outputs[name]
-        total = sum(out.shard_tokens)
-        for prefix, tokens in zip(out.prefixes, out.shard_tokens):
-            prefixes.append(prefix)
-            shard_weights.append(w * tokens / total)
-            owners.append(name)
-            layouts[prefix] = cfg.corpora[name].packing
     tok_path = tokenizer.resolve(cfg)
-    info = TokenizerInfo(tok_path, cfg.tokenizer.eod_token, cfg.tokenizer.pad_token, file_digest(tok_path))
+    digest = file_digest(tok_path)
+    blend = plan_blend(cfg, outputs, weights, digest)
+    check_splits(blend, cfg.split)
+    info = TokenizerInfo(tok_path, cfg.tokenizer.eod_token, cfg.tokenizer.pad_token, digest)
     if info.vocab_size > vocab_size:  # the tokenizer file actually prepared, not the config's
         raise DataConfigError(f"model.vocab_size={vocab_size} is smaller than the tokenizer's vocabulary "
                               f"({info.vocab_size}, {tok_path})")
-    has_valid = split_vector(cfg.split)[1] > 0
-    valid_n = (cfg.valid_samples if valid_samples is None else valid_samples) if has_valid else None
-    key = fingerprint([prefixes, shard_weights, layouts, seq_length, seed, num_samples, valid_n, cfg.split,
-                       cfg.eod_mask_loss, info.unique_identifiers])
+    categories = {n: cfg.corpora[n].category for n in weights}
+    valid_n = None
+    if split_vector(cfg.split)[1] > 0:
+        wanted = cfg.valid_samples if valid_samples is None else valid_samples
+        shares = category_shares(blend.owners, categories, weights)
+        per_category = 4 * -(-wanted // len(shares))  # room to skip samples without loss tokens
+        datasets = {k: sum(categories[o] == k for o in blend.owners) for k in shares}
+        valid_n = max(wanted, valid_blend_size(per_category, shares, datasets))
+    key = fingerprint([blend.paths, blend.weights, blend.layouts, seq_length, seed, num_samples, valid_n,
+                       cfg.split, cfg.eod_mask_loss, info.unique_identifiers])
     index_dir = os.path.join(os.path.abspath(run_dir), "data_index", key)
     rank0 = not dist.is_initialized() or dist.get_rank() == 0
     if rank0 and not os.path.exists(os.path.join(index_dir, ".complete")):
         shutil.rmtree(index_dir, ignore_errors=True)  # a killed build may have left partial indices
     config = CorpusDatasetConfig(
-        random_seed=seed, sequence_length=seq_length, blend=(prefixes, shard_weights), split=cfg.split,
+        random_seed=seed, sequence_length=seq_length, blend=(blend.paths, blend.weights), split=cfg.split,
         path_to_cache=index_dir, tokenizer=info,
         reset_position_ids=True, reset_attention_mask=True, eod_mask_loss=cfg.eod_mask_loss,
-        create_attention_mask=False, packing=layouts, mid_level_dataset_surplus=0.02,
+        create_attention_mask=False, packing=blend.layouts, groups=blend.groups, mid_level_dataset_surplus=0.02,
+        num_dataset_builder_threads=cfg.index_threads,
     )
     with _process_group():
         train, valid, _ = BlendedMegatronDatasetBuilder(
@@ -180,9 +223,11 @@ def build_datasets(cfg: DataConfig, seq_length: int, seed: int, run_dir: str, vo
     if rank0:  # megatron builds and saves everything on rank 0 before the other ranks load
         os.makedirs(index_dir, exist_ok=True)
         open(os.path.join(index_dir, ".complete"), "w").close()
-    categories = {n: cfg.corpora[n].category for n in weights}
-    return (MixtureDataset(train, owners, categories),
-            MixtureDataset(valid, owners, categories) if valid is not None else None)
+    out = [MixtureDataset(d, blend.owners, categories, weights) if d is not None else None for d in (train, valid)]
+    for d, n in zip(out, (num_samples, valid_n)):
+        if d is not None:
+            d.requested = n  #: the size asked of megatron's builder (it builds a few more)
+    return tuple(out)
 
 
 def build_train_dataset(cfg: DataConfig, seq_length: int, seed: int, run_dir: str, vocab_size: int,

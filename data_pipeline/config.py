@@ -92,7 +92,13 @@ class DataConfig:
     mixtures: Dict[str, Any] = field(default_factory=dict)  #: name -> {corpus: weight} (weights checked by check_mixture)
     mixture: str = "default"  #: the active mixture
     split: str = "98,2,0"  #: train,valid,test share of each corpus's documents (megatron split string)
-    valid_samples: int = 64  #: size of the blended validation set
+    valid_samples: int = 64  #: validation samples (split evenly over the mixture's categories)
+    #: a corpus's consecutive shards are read as one megatron dataset of up to this many documents
+    #: (megatron's document ids are int32); 0 = one megatron dataset per shard (data_pipeline/groups.py)
+    max_group_documents: int = 2**31 - 1
+    #: megatron datasets (shard groups) whose indices are built at once on the building rank
+    #: (megatron's ``num_dataset_builder_threads``; the same indices, in less time, more memory)
+    index_threads: int = 16
     eod_mask_loss: bool = True  #: no loss where the target is the next document's first token
     sample_seed: int = 1234  #: seed of the generated sample corpora
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
@@ -214,6 +220,11 @@ def check_data(cfg: DataConfig, model_vocab_size: Optional[int] = None, check_pa
         problems.append(str(e))
     if cfg.valid_samples < 0:
         problems.append(f"data.valid_samples={cfg.valid_samples} must be >= 0")
+    if cfg.index_threads < 1:
+        problems.append(f"data.index_threads={cfg.index_threads} must be >= 1")
+    if not 0 <= cfg.max_group_documents <= 2**31 - 1:
+        problems.append(f"data.max_group_documents={cfg.max_group_documents} must be in [0, 2**31 - 1] "
+                        "(megatron's document ids are int32; 0 = one dataset per shard)")
     p = cfg.preprocess
     if p.executor not in EXECUTORS:
         problems.append(f"data.preprocess.executor={p.executor!r} must be one of {list(EXECUTORS)}")
@@ -226,6 +237,8 @@ def check_data(cfg: DataConfig, model_vocab_size: Optional[int] = None, check_pa
     if cfg.tokenizer.path is None and cfg.tokenizer.vocab_size < 300:
         problems.append(f"data.tokenizer.vocab_size={cfg.tokenizer.vocab_size} must be >= 300 "
                         "(256 byte tokens + special tokens + merges)")
+    if not check_paths and cfg.tokenizer.path is not None:
+        return problems  # the tokenizer file is on the cluster
     try:
         vocab = tokenizer_vocab_size(cfg.tokenizer)
     except (OSError, ValueError) as e:
@@ -237,8 +250,6 @@ def check_data(cfg: DataConfig, model_vocab_size: Optional[int] = None, check_pa
     return problems
 
 
-    if not check_paths and cfg.tokenizer.path is not None:
-        return problems  # the tokenizer file is on the cluster
 def validate_data(cfg: DataConfig, model_vocab_size: Optional[int] = None) -> None:
     problems = check_data(cfg, model_vocab_size)
     if problems:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Dict, Optional
+from typing import Dict, List, Optional, Tuple
 
 import numpy
 import torch
@@ -24,6 +24,7 @@ from megatron.core.datasets.indexed_dataset import IndexedDataset
 from megatron.core.tokenizers import MegatronTokenizerBase
 
 from data_pipeline import packing
+from data_pipeline.groups import ShardGroup
 from data_pipeline.tokenizer import load
 from data_pipeline.writer import MASK_SUFFIX
 
@@ -70,21 +71,48 @@ class TokenizerInfo(MegatronTokenizerBase):
 
 @dataclass
 class CorpusDatasetConfig(GPTDatasetConfig):
-    packing: Dict[str, str] = field(default_factory=dict)  #: shard prefix -> concat | best_fit
+    packing: Dict[str, str] = field(default_factory=dict)  #: dataset path -> concat | best_fit
+    #: group name (:func:`data_pipeline.groups.group_name`) -> (shard prefixes, documents per shard);
+    #: the name encodes the shards, so it is no part of the cache key
+    groups: Dict[str, Tuple[List[str], List[int]]] = field(default_factory=dict)
 
 
 class CorpusDataset(GPTDataset):
-    def __init__(self, indexed_dataset: IndexedDataset, dataset_path: Optional[str],
+    def __init__(self, indexed_dataset, dataset_path: Optional[str],
                  indexed_indices: numpy.ndarray, num_samples: Optional[int], index_split, config):
         self.layout = config.packing.get(dataset_path, "concat")
         self.packed = None
-        mask_prefix = (dataset_path or "") + MASK_SUFFIX
-        self.loss_masks = IndexedDataset(mask_prefix) if os.path.exists(mask_prefix + ".idx") else None
+        self.loss_masks = self._loss_masks(dataset_path, config)
         super().__init__(indexed_dataset, dataset_path, indexed_indices, num_samples, index_split, config)
+
+    @staticmethod
+    def _loss_masks(dataset_path: Optional[str], config):
+        """The loss-mask sidecar over the same documents, or None."""
+        if dataset_path in config.groups:
+            prefixes, documents = config.groups[dataset_path]
+            has = os.path.exists(prefixes[0] + MASK_SUFFIX + ".idx")
+            return ShardGroup(prefixes, documents, suffix=MASK_SUFFIX) if has else None
+        mask_prefix = (dataset_path or "") + MASK_SUFFIX
+        return IndexedDataset(mask_prefix) if os.path.exists(mask_prefix + ".idx") else None
+
+    @staticmethod
+    def build_low_level_dataset(dataset_path: str, config):
+        if dataset_path in config.groups:
+            return ShardGroup(*config.groups[dataset_path])
+        return GPTDataset.build_low_level_dataset(dataset_path, config)
+
+    @staticmethod
+    def numel_low_level_dataset(low_level_dataset) -> int:
+        return len(low_level_dataset)
 
     @staticmethod
     def _key_config_attributes() -> list[str]:
         return GPTDataset._key_config_attributes() + ["packing", "eod_mask_loss", "add_extra_token_to_sequence"]
+
+    def _length(self, doc: int) -> int:
+        if isinstance(self.dataset, ShardGroup):
+            return self.dataset.length(doc)
+        return int(self.dataset.sequence_lengths[doc])
 
     # --- indices -----------------------------------------------------------------------------
 
@@ -138,7 +166,7 @@ class CorpusDataset(GPTDataset):
         for j in range(int(beg), int(end) + 1):
             doc = int(self.document_index[j])
             off = int(beg_off) if j == beg else 0
-            stop = int(end_off) + extra if j == end else int(self.dataset.sequence_lengths[doc])
+            stop = int(end_off) + extra if j == end else self._length(doc)
             if stop > off:
                 parts.append((doc, off, stop - off))
         return parts

@@ -17,6 +17,7 @@ from datatrove.utils.batching import batched
 from datatrove.utils.tokenization import PipelineStepWithTokenizer
 
 from data_pipeline.chat import loss_mask, token_kinds
+from data_pipeline.fsutil import file_digest
 
 MASK_SUFFIX = "-lossmask"
 
@@ -96,6 +97,7 @@ class IndexedShardWriter(PipelineStepWithTokenizer):
             self.stat_update(key, value=value)
         if builder is None:
             return
+        stats["tokenizer"] = file_digest(self.tokenizer_name_or_path)  # checked by data_pipeline.blend
         builder.finalize(prefix + ".idx")
         if masks is not None:
             masks.finalize(prefix + MASK_SUFFIX + ".idx")

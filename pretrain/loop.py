@@ -14,7 +14,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.moe import moe_utils
 from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 
-from data_pipeline.batches import micro_batches
+from data_pipeline.batches import micro_batch_samples, micro_batches
 from model_providers.glm5.dsa.attention import KL_TRACKER
 from model_providers.glm5.dsa.dense_attention import remember_host_document_ids
 from parallel.context_parallel import batch_on_this_cp_rank
@@ -42,6 +42,16 @@ def lm_loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
     return loss_sum, num_tokens.to(torch.int), {"lm": report}
 
 
+def with_sample_sums(loss_func, loss_mask: torch.Tensor, output_tensor: torch.Tensor):
+    """``loss_func``'s result plus ``lm_samples`` [2, b]: each sample's loss sum and loss tokens
+    (this rank's tokens of it under CP), for losses per data category."""
+    loss, num_tokens, reports = loss_func(output_tensor)
+    mask = loss_mask.float()
+    losses = output_tensor.float().detach()
+    reports["lm_samples"] = torch.stack([(losses * mask).sum(-1), mask.sum(-1)])
+    return loss, num_tokens, reports
+
+
 def document_mask(document_ids: torch.Tensor | None) -> torch.Tensor | None:
     """The micro-batch's document ids [b, L] when some sample holds several documents (the
     attention then masks across them), else None: one-document samples keep the plain causal
@@ -51,7 +61,8 @@ def document_mask(document_ids: torch.Tensor | None) -> torch.Tensor | None:
     return document_ids
 
 
-def forward_step(data_iterator, model):
+def forward_step(data_iterator, model, per_sample: bool = False):
+    """``per_sample``: also report each sample's loss sum and tokens (:func:`with_sample_sums`)."""
     host = next(data_iterator)
     documents = document_mask(host.get("document_ids"))
     batch = batch_on_this_cp_rank(to_device(host))
@@ -64,7 +75,10 @@ def forward_step(data_iterator, model):
         labels=batch["labels"],
         loss_mask=batch["loss_mask"],
     )
-    return output, partial(lm_loss_func, batch["loss_mask"])
+    loss_func = partial(lm_loss_func, batch["loss_mask"])
+    if per_sample:
+        loss_func = partial(with_sample_sums, loss_func, batch["loss_mask"])
+    return output, loss_func
 
 
 @dataclass
@@ -195,24 +209,31 @@ def train_step(ddp_chunks, optimizer, scheduler, dataset, consumed_samples: int,
     )
 
 
-def evaluate(ddp_chunks, dataset, trainer_cfg, num_samples: int) -> float:
-    """Validation LM loss (token mean) over the first ``num_samples`` sequences of ``dataset``,
-    forward only. Loss trackers are cleared afterwards so training metrics never see eval."""
+def evaluate(ddp_chunks, valid, trainer_cfg, num_samples: int) -> dict:
+    """Validation LM loss over ``num_samples`` held-out sequences of ``valid`` (a
+    ``data_pipeline.build.MixtureDataset``), split evenly over its categories
+    (:meth:`~data_pipeline.build.MixtureDataset.stratified`), forward only: the
+    :func:`validation_metrics` of the per-category sums. Loss trackers are cleared afterwards so
+    training metrics never see eval."""
+    indices, labels = valid.stratified(num_samples)
+    view = torch.utils.data.Subset(valid, indices)
     dp_rank = parallel_state.get_data_parallel_rank()
     dp_size = parallel_state.get_data_parallel_world_size()
-    batches = list(micro_batches(dataset, 0, num_samples, trainer_cfg.micro_batch_size, dp_rank,
-                                 dp_size))
+    mbs = trainer_cfg.micro_batch_size
+    batches = list(micro_batches(view, 0, num_samples, mbs, dp_rank, dp_size))
+    batch_labels = [[labels[i] for i in numbers]
+                    for numbers in micro_batch_samples(0, num_samples, mbs, dp_rank, dp_size)]
     for c in ddp_chunks:
         c.eval()
     try:
         with torch.no_grad():
             losses = get_forward_backward_func()(
-                forward_step_func=forward_step,
+                forward_step_func=partial(forward_step, per_sample=True),
                 data_iterator=[iter(batches) for _ in ddp_chunks] if len(ddp_chunks) > 1 else iter(batches),
                 model=ddp_chunks,
                 num_microbatches=len(batches),
                 seq_length=trainer_cfg.seq_length,
-                micro_batch_size=trainer_cfg.micro_batch_size,
+                micro_batch_size=mbs,
                 forward_only=True,
             )
     finally:
@@ -221,10 +242,20 @@ def evaluate(ddp_chunks, dataset, trainer_cfg, num_samples: int) -> float:
         if MTPLossLoggingHelper.tracker.get("values") is not None:
             MTPLossLoggingHelper.clean_loss_in_tracker()
         moe_utils.clear_aux_losses_tracker()
-    total = torch.zeros(2, dtype=torch.float64, device=current_device())
+    device = current_device()
+    sums = torch.zeros(len(valid.categories), 2, dtype=torch.float64, device=device)
     if _reporting_rank():
-        for out in losses:
-            total += out["lm"].double()
-    dist.all_reduce(total)
-    loss_sum, tokens = total.tolist()
-    return loss_sum / max(tokens, 1)
+        for out, ids in zip(losses, batch_labels):  # the schedule returns micro-batches in order
+            sums.index_add_(0, torch.tensor(ids, device=device), out["lm_samples"].double().T)
+    dist.all_reduce(sums)
+    return validation_metrics(sums.tolist(), valid.categories, valid.category_shares)
+
+
+def validation_metrics(sums: list, categories: list[str], shares: dict[str, float]) -> dict:
+    """``valid_lm_loss/<category>`` (token mean of the category's samples) per category with loss
+    tokens, and ``valid_lm_loss``: the mixture's category shares applied to them, so how many
+    samples each category has in the validation set does not change it."""
+    out = {f"valid_lm_loss/{c}": s / n for c, (s, n) in zip(categories, sums) if n > 0}
+    weight = sum(shares[c] for c in categories if f"valid_lm_loss/{c}" in out)
+    total = sum(shares[c] * out[f"valid_lm_loss/{c}"] for c in categories if f"valid_lm_loss/{c}" in out)
+    return {"valid_lm_loss": total / weight if weight > 0 else float("nan"), **out}

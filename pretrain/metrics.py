@@ -56,7 +56,7 @@ class MetricsSink:
         if record["step"] % self.cfg.log_every == 0 or record.get("skipped"):
             console.say(console.step_line(record))
         if "valid_lm_loss" in record:
-            console.say(console.validation_line(record))
+            console.say(console.validation_line(record) + category_losses(record))
 
     def event(self, line: str) -> None:
         """A stage start, a checkpoint: one console line from rank 0."""
@@ -91,6 +91,12 @@ class MetricsSink:
         logging.getLogger(__name__).warning("W&B logging stopped (%s: %s); metrics.jsonl continues",
                                             error.__class__.__name__, error)
         self.wandb_run = None
+
+
+def category_losses(record: dict) -> str:
+    """`` | code 2.9812 math 2.1043 ...``: the record's ``valid_lm_loss/<category>`` values."""
+    parts = [f"{k.split('/', 1)[1]} {v:.4f}" for k, v in sorted(record.items()) if k.startswith("valid_lm_loss/")]
+    return " | " + " ".join(parts) if parts else ""
 
 
 #: ``<run_dir>/wandb/run_id``: written when the W&B run starts, so a job that is requeued or

@@ -1,5 +1,6 @@
 """The curriculum plot: loss, LM loss, indexer KL, LR and sequence length against consumed
-tokens, one shaded band per stage. Written atomically (a reader never sees half a PNG)."""
+tokens, one shaded band per stage; with validation, a panel of the validation LM loss per data
+category (``valid_lm_loss/<category>``). Written atomically (a reader never sees half a PNG)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,9 @@ def plot_curriculum(history: list[dict], path: str) -> None:
 
     if not history:
         return
-    fig, axes = plt.subplots(len(PANELS), 1, figsize=(9, 2.1 * len(PANELS)), sharex=True)
+    categories = sorted({k.split("/", 1)[1] for r in history for k in r if k.startswith("valid_lm_loss/")})
+    panels = PANELS + ((("valid_lm_loss/", "validation LM loss\nper category"),) if categories else ())
+    fig, axes = plt.subplots(len(panels), 1, figsize=(9, 2.1 * len(panels)), sharex=True)
     bands, start = [], 0
     for i, r in enumerate(history):
         if i == 0 or r["stage"] != history[i - 1]["stage"]:
@@ -26,10 +29,16 @@ def plot_curriculum(history: list[dict], path: str) -> None:
         bands[-1][2] = r["consumed_tokens"]
         start = r["consumed_tokens"]
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    for ax, (key, label) in zip(axes, PANELS):
-        # a step whose global batch had no loss token (e.g. all tool output) has no loss to plot
-        keep = [r for r in history if key in r and (key not in LOSSES or r.get("loss_tokens", 1) > 0)]
-        ax.plot([r["consumed_tokens"] for r in keep], [r[key] for r in keep], lw=1.2, color="black")
+    for ax, (key, label) in zip(axes, panels):
+        if key == "valid_lm_loss/":
+            for j, c in enumerate(categories):
+                pts = [r for r in history if key + c in r]
+                ax.plot([r["consumed_tokens"] for r in pts], [r[key + c] for r in pts], "o-", ms=3, lw=0.8,
+                        color=colors[j % len(colors)], label=c)
+            ax.legend(loc="best", fontsize=7, ncol=min(4, len(categories)))
+        else:  # a step whose global batch had no loss token (e.g. all tool output) has no loss to plot
+            keep = [r for r in history if key in r and (key not in LOSSES or r.get("loss_tokens", 1) > 0)]
+            ax.plot([r["consumed_tokens"] for r in keep], [r[key] for r in keep], lw=1.2, color="black")
         if key == "lm_loss":
             valid = [r for r in history if "valid_lm_loss" in r]
             ax.plot([r["consumed_tokens"] for r in valid], [r["valid_lm_loss"] for r in valid], "o",

@@ -178,7 +178,7 @@ class _StageTrainer:
                                                           state.step, self.ddp, self.optimizer)
             last = state.stage_step == stage.steps
             if self.valid is not None and (state.stage_step % t.eval_every == 0 or last):
-                record["valid_lm_loss"] = evaluate(self.ddp, self.valid, t, t.eval_samples)
+                record.update(evaluate(self.ddp, self.valid, t, t.eval_samples))
             self.ctx.sink.log(record)
             if self.ctx.nonfinite.should_reload(stats.skipped, state.step):
                 self._reload_after_bad_steps(state, chunks)

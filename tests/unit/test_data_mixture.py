@@ -96,10 +96,13 @@ def test_too_few_documents_for_the_split(tmp_path):
     f = write_jsonl(tmp_path / "a.jsonl", [{"text": f"doc {i}"} for i in range(10)])
     cfg = corpus_cfg(tmp_path / "cache", [f], tasks=2)
     prepare(cfg)
-    with pytest.raises(DataConfigError) as e:
+    with pytest.raises(DataConfigError) as e:  # the two shards are read as one group
         build_datasets(cfg, 16, 1, str(tmp_path / "run"), 512, num_samples=8)
-    assert "corpus 'c': shard shard_00000 has 5 documents, so data.split='98,2,0' leaves its valid split empty" \
-        in str(e.value)
+    assert "corpus 'c': shard_00000..shard_00001 has 10 documents, so data.split='98,2,0' leaves its valid " \
+        "split empty" in str(e.value)
+    cfg.max_group_documents = 0  # one megatron dataset per shard
+    with pytest.raises(DataConfigError, match="corpus 'c': shard_00000 has 5 documents"):
+        build_datasets(cfg, 16, 1, str(tmp_path / "run"), 512, num_samples=8)
     cfg.split = "1"
     train, valid = build_datasets(cfg, 16, 1, str(tmp_path / "run"), 512, num_samples=8)
     assert valid is None and len(train) >= 8
