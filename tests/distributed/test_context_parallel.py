@@ -90,4 +90,7 @@ def test_context_parallel_losses_match_one_rank(init_checkpoint, case):
             tol = dict(rel=rel, abs=1e-8 if key == "indexer_kl" else 0)
             assert have[key] == pytest.approx(want[key], **tol), (case, want["step"], key)
     moved = "indexer_kl" if "mode=warmup" in " ".join(overrides) else "lm_loss"
-    assert ref[-1][moved] < ref[0][moved]  # it trained: parity of a frozen model proves little
+    # it trained (parity of a frozen model proves little); a packed step may hold only masked
+    # tool output (no loss tokens, lm_loss 0): compare the steps that have some
+    scored = [r for r in ref if moved == "indexer_kl" or r["loss_tokens"] > 0]
+    assert len(scored) >= 2 and scored[-1][moved] < scored[0][moved]

@@ -79,4 +79,5 @@ def test_sparse_mode_tp2_matches_one_rank(warmed_up):
         first = a["step"] <= 2
         for key in ("lm_loss", "mtp_loss", "loss"):
             assert b[key] == pytest.approx(a[key], rel=1e-6 if first else 1e-4), (a["step"], key)
-        assert b["indexer_kl"] == pytest.approx(a["indexer_kl"], rel=1e-6 if first else 1e-3)
+        # the KL (~4e-3) is a difference of O(1) sums: TP's summation order alone moves it ~2e-6
+        assert b["indexer_kl"] == pytest.approx(a["indexer_kl"], rel=1e-5 if first else 1e-3)
