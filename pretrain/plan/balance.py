@@ -37,15 +37,13 @@ def rank_loads(num_layers: int, pp: int, first: Optional[int], last: Optional[in
 
 
 def _valid(num_layers: int, pp: int, vpp: Optional[int], first, last) -> bool:
-    v = vpp or 1
-    uneven = (first or 0) + (last or 0)
-    middle_stages = pp - (first is not None) - (last is not None)
-    middle = num_layers - uneven
-    if middle < 0 or (middle_stages == 0 and middle) or (middle_stages and middle % middle_stages):
-        return False
-    per_middle = middle // middle_stages if middle_stages else v
-    return all(n >= v and n % v == 0 for n in (first or per_middle, last or per_middle, per_middle)
-               if n is not None)
+    """Whether megatron accepts these ends (the run's own layer checks, on a layout of pp ranks)."""
+    from parallel.config import ParallelConfig, check_layout
+
+    par = ParallelConfig(pp=pp, vpp=vpp, first_stage_layers=first, last_stage_layers=last)
+    layout, _ = check_layout(par, world_size=pp, num_layers=num_layers, num_attention_heads=1,
+                             num_experts=None, seq_length=2, micro_batch_size=1, global_batch_size=pp)
+    return layout is not None
 
 
 def balanced_ends(rc, pp: int, vpp: Optional[int]) -> tuple[Optional[int], Optional[int]]:
