@@ -167,10 +167,12 @@ class _Layer:
         w += _linear(2 * L * m.q_lora_rank * n * qk, self.trains, self.pre_core_dgrad, up)
         w += _linear(2 * L * m.hidden_size * (m.kv_lora_rank + m.qk_rope_head_dim), self.trains,
                      self.pre_core_dgrad, self._again())
-        # under CP every rank also up-projects the gathered latent of the whole sequence
-        # (dsa/attention.py _gathered_key_value): cp more expansions of each token
-        expansions = 1 + (self.cp if self.cp > 1 else 0)
-        w += _linear(2 * L * m.kv_lora_rank * n * (m.qk_nope_head_dim + m.v_head_dim) * expansions,
+        # per-head k/v of the tokens the core reads (kv_up_projection.py): sparse mode reads
+        # only the dense prefix's; under CP each rank up-projects the gathered latent of the
+        # whole sequence (dsa/attention.py _gathered_key_value) and one local token
+        read = min(m.dsa.topk, L) if self.mode == "sparse" else L
+        expanded = self.cp * (read + 1) if self.cp > 1 else read
+        w += _linear(2 * expanded * m.kv_lora_rank * n * (m.qk_nope_head_dim + m.v_head_dim),
                      self.trains, self.pre_core_dgrad, up)
         w += _linear(2 * L * n * m.v_head_dim * m.hidden_size, self.trains, True, self._again())
         return w

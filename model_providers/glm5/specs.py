@@ -33,6 +33,7 @@ from megatron.core.transformer.transformer_layer import (
 )
 
 from model_providers.glm5.dsa.attention import DSACoreAttention, GLM5MLASelfAttention
+from model_providers.glm5.kv_up_projection import kv_up_projection
 from model_providers.glm5.layers import RMSNorm
 
 
@@ -85,7 +86,7 @@ def _local_layer_spec(num_experts, dsa) -> ModuleSpec:
                     linear_q_down_proj=DuplicatedLinear,
                     linear_q_up_proj=backend.column_parallel_linear(),
                     linear_kv_down_proj=DuplicatedLinear,
-                    linear_kv_up_proj=backend.column_parallel_linear(),
+                    linear_kv_up_proj=kv_up_projection(backend.column_parallel_linear()),
                     core_attention=_dsa_core_attention(dsa),
                     linear_proj=backend.row_parallel_linear(),
                     q_layernorm=RMSNorm,
@@ -124,7 +125,8 @@ def layer_spec(backend: str, num_experts, dsa) -> ModuleSpec:
         # on would be pre-norm; the indexer reads the normalised q latent and the absorbed sparse
         # attention and CP use the normalised kv latent: keep the norms separate, as the local spec
         # does (also gives both backends the same checkpoint keys for these norms).
-        sub.linear_q_up_proj = sub.linear_kv_up_proj = TEColumnParallelLinear
+        sub.linear_q_up_proj = TEColumnParallelLinear
+        sub.linear_kv_up_proj = kv_up_projection(TEColumnParallelLinear)
         sub.q_layernorm = sub.kv_layernorm = TENorm
         return spec
     return _local_layer_spec(num_experts, dsa)

@@ -31,13 +31,20 @@ def test_sparse_layer_equals_masked_per_head_reference(one_rank):
     layer = _layer("sparse", topk=10)
     captured = {}
     core = layer.core_attention
-    core.register_forward_pre_hook(lambda m, args: captured.update(q=args[0], k=args[1], v=args[2]))
+    core.register_forward_pre_hook(
+        lambda m, args: captured.update(q=args[0], k=args[1], v=args[2], latent=m.mla.kv_latent))
     x = torch.randn(40, 1, 64)
     with TopkProbe(layer) as probe:
         out, _ = layer(x, attention_mask=None)
 
     q, k, v = captured["q"], captured["k"], captured["v"]  # [s, b, n, d]
     s = q.shape[0]
+    # megatron's MLA up-projected per-head keys and values only for the dense prefix (the
+    # absorbed form reads the latent): the reference up-projects every token itself
+    assert not bool(k[10:, :, :, :16].any()) and not bool(v[10:].any()) and bool(v[:10].all())
+    kv = torch.nn.functional.linear(captured["latent"], layer.linear_kv_up_proj.weight).view(s, 1, 4, 28)
+    k = torch.cat([kv[..., :16], k[..., 16:]], dim=-1)
+    v = kv[..., 16:]
     idx, valid = probe.latest[core]  # for queries 10..39 (earlier ones see every causal key)
     allowed = torch.ones(s, s, dtype=torch.bool).tril()
     sparse_rows = torch.zeros(s - 10, s, dtype=torch.bool).scatter_(1, idx[0], valid[0])

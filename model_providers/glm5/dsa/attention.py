@@ -57,6 +57,8 @@ class GLM5MLASelfAttention(MLASelfAttention):
     returns local queries and full-sequence keys/values rebuilt from the all-gathered latent."""
 
     def get_query_key_value_tensors(self, hidden_states, *args, **kwargs):
+        if not self.config.sequence_parallel:  # under SP the projection's input is a TP shard
+            self.linear_kv_up_proj.rows = 1 if cp_size() > 1 else self._keys_read(hidden_states.shape[0])
         query, key, value, q_latent, kv_latent = super().get_query_key_value_tensors(
             hidden_states, *args, **kwargs)
         kv_full = None
@@ -87,16 +89,27 @@ class GLM5MLASelfAttention(MLASelfAttention):
 
         return tensor_parallel.checkpoint(run, False, query, key, value, attention_mask, *mla.tensors())
 
+    def _keys_read(self, length: int) -> int | None:
+        """How many leading tokens' per-head keys and values the core attention reads (None:
+        all): sparse DSA reads them for its dense prefix only."""
+        dsa = self.core_attention.dsa
+        return min(dsa.topk, length) if dsa.mode == "sparse" else None
+
     def _gathered_key_value(self, key_local, kv_latent):
         """Full-sequence key [L, b, n, qk] and value [L, b, n, v] for this rank's heads from the
         CP-gathered kv latent [L, b, kv_lora_rank] and rope key (the gathered state per token
-        is kv_lora_rank + qk_rope values, not n * (qk + v))."""
+        is kv_lora_rank + qk_rope values, not n * (qk + v)); in sparse mode the nope keys and
+        values past the dense prefix are zeros (never read)."""
         cfg = self.config
         nope = cfg.qk_head_dim
         c_full = gather_sequence(_full_sequence(kv_latent, cfg.sequence_parallel))
         k_rope = gather_sequence(key_local[:, :, 0, nope:])  # [L, b, rope]
         n = key_local.shape[2]
-        kv = F.linear(c_full, self.linear_kv_up_proj.weight).view(*c_full.shape[:2], n, -1)
+        length, rows = c_full.shape[0], self._keys_read(c_full.shape[0])
+        kv = F.linear(c_full[:rows], self.linear_kv_up_proj.weight)
+        if rows is not None and rows < length:
+            kv = torch.cat([kv, kv.new_zeros(length - rows, *kv.shape[1:])])
+        kv = kv.view(*c_full.shape[:2], n, -1)
         k_nope, value = kv.split([nope, cfg.v_head_dim], dim=-1)
         key = torch.cat([k_nope, k_rope[:, :, None].expand(-1, -1, n, -1)], dim=-1)
         return key.contiguous(), value.contiguous(), c_full
