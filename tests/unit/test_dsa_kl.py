@@ -71,13 +71,20 @@ def test_sparse_kl_value_and_gradient_flow():
 
 
 def test_kl_is_zero_when_indexer_matches_target():
-    """Sanity of the direction: KL(target || q) = 0 when softmax(I) equals the target."""
-    from model_providers.glm5.dsa.kl import _kl_rows
+    """Sanity of the direction: KL(target || q) = 0 when softmax(I) equals the target over the
+    visible keys (logits shifted by 5: softmax does not see it; the hidden key's logit is
+    finite and must not count), and > 0 otherwise; d logits = softmax - target."""
+    from model_providers.glm5.dsa.kl import _kl_and_grads
 
     target = torch.tensor([[0.2, 0.3, 0.5, 0.0]])
-    logits = torch.tensor([[math.log(0.2), math.log(0.3), math.log(0.5), float("-inf")]])
-    assert abs(float(_kl_rows(target, logits))) < 1e-6
-    assert float(_kl_rows(target, torch.zeros(1, 4).masked_fill(torch.tensor([[False] * 3 + [True]]), float("-inf")))) > 0.01
+    hidden = torch.tensor([[False, False, False, True]])
+    matching = torch.tensor([[[math.log(0.2) + 5, math.log(0.3) + 5, math.log(0.5) + 5, 9.0]]])
+    value, d_ph, d_w = _kl_and_grads(matching, torch.ones(1, 1), target, hidden, True)
+    assert abs(float(value)) < 1e-6 and float(d_ph.abs().max()) < 1e-6
+    value, d_ph, _ = _kl_and_grads(torch.zeros(1, 1, 4), torch.ones(1, 1), target, hidden, True)
+    uniform = torch.tensor([1 / 3] * 3)
+    assert abs(float(value) - float((target[0, :3] * (target[0, :3] / uniform).log()).sum())) < 1e-6
+    assert float(d_ph.abs().max()) == 0.0  # ReLU's gradient at 0 scores
 
 
 def _reference_kl(iq, ik, iw, target, keys_of_row=None):

@@ -16,31 +16,31 @@ from __future__ import annotations
 import torch
 
 from model_providers.glm5.dsa.indexer import causal_mask
-from model_providers.glm5.dsa.sparse_attention import rows_per_chunk, scatter_add_rows
-
-
-def _kl_rows(target: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
-    """sum over rows of KL(target_row || softmax(logits_row)); target rows sum to 1."""
-    return _kl_sum(target, torch.log_softmax(logits, dim=-1))
-
-
-def _kl_sum(target: torch.Tensor, logq: torch.Tensor) -> torch.Tensor:
-    return torch.where(target > 0, target * (target.clamp_min(1e-30).log() - logq), 0.0).sum()
+from model_providers.glm5.dsa.sparse_attention import all_visible, rows_per_chunk, scatter_add_rows
 
 
 def _kl_and_grads(per_head, w, target, hidden, want_grads: bool):
-    """One chunk of rows: per_head [R, H, n] (q . k per indexer head), w [R, H], target [R, n],
-    hidden [R, n] -> (sum of the rows' KL, d per_head [R, H, n] or None, d w [R, H] or None)."""
+    """One chunk of rows: per_head [R, H, n] (q . k per indexer head; overwritten), w [R, H],
+    target [R, n] (rows sum to 1, 0 at hidden keys), hidden [R, n] or None (every key
+    visible) -> (sum of the rows' KL, d per_head [R, H, n] (in per_head's storage) or None,
+    d w [R, H] or None).
+
+    With logits z and lse its hidden-masked log-sum-exp, KL(t || softmax(z)) = sum t log t -
+    sum t z + lse: z stays finite where t is 0, so no pass over log t, log q or a NaN guard."""
     rows, heads, n = per_head.shape
-    relu = per_head.relu()
-    logits = torch.bmm(w.view(rows, 1, heads), relu).view(rows, n).masked_fill_(hidden, float("-inf"))
-    logq = torch.log_softmax(logits, dim=-1)
-    value = _kl_sum(target, logq)
+    relu = per_head.relu_()
+    logits = torch.bmm(w.view(rows, 1, heads), relu).view(rows, n)
+    value = torch.special.xlogy(target, target).sum() - torch.dot(target.reshape(-1), logits.reshape(-1))
+    if hidden is not None:
+        logits.masked_fill_(hidden, float("-inf"))
+    lse = torch.logsumexp(logits, dim=-1, keepdim=True)
+    value = value + lse.sum()
     if not want_grads:
         return value, None, None
-    d_logits = logq.exp_().sub_(target)  # softmax - target (0 at hidden keys)
+    d_logits = logits.sub_(lse).exp_().sub_(target)  # softmax - target (0 at hidden keys)
     d_w = torch.bmm(relu, d_logits.view(rows, n, 1)).view(rows, heads)
-    d_per_head = (w.view(rows, heads, 1) * d_logits.view(rows, 1, n)).masked_fill_(per_head <= 0, 0.0)
+    # ReLU's gradient mask (relu > 0 where per_head > 0) times w x d_logits, in place
+    d_per_head = relu.sign_().mul_(w.view(rows, heads, 1)).mul_(d_logits.view(rows, 1, n))
     return value, d_per_head, d_w
 
 
@@ -139,7 +139,7 @@ def sparse_kl(iq, ik, iw, idx, valid, head_probs, chunk: int, tp_group=None):
     if tp_group is not None and torch.distributed.get_world_size(tp_group) > 1:
         torch.distributed.all_reduce(target, group=tp_group)
     target = target / target.sum(dim=-1, keepdim=True)
-    hidden = ~valid
+    hidden = None if all_visible(valid) else ~valid
     c_max = rows_per_chunk(kk, d, 4, chunk)
 
     def run(want_grads: bool):
@@ -157,7 +157,9 @@ def sparse_kl(iq, ik, iw, idx, valid, head_probs, chunk: int, tp_group=None):
                 q_c = iq[bi, lo:hi].detach().float()  # [c, H, d]
                 per_head = torch.bmm(q_c, k_sel.transpose(1, 2))  # [c, H, k]
                 value, d_ph, d_w = _kl_and_grads(per_head, iw[bi, lo:hi].detach().float(),
-                                                 target[bi, lo:hi], hidden[bi, lo:hi], want_grads)
+                                                 target[bi, lo:hi],
+                                                 None if hidden is None else hidden[bi, lo:hi],
+                                                 want_grads)
                 total += value
                 if want_grads:
                     dw[bi, lo:hi] = d_w

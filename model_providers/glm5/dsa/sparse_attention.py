@@ -64,7 +64,7 @@ class SparseLatentAttention(torch.autograd.Function):
         lse = q.new_empty(b, s, n, dtype=acc)
         head_probs = q.new_empty(b, s, k, dtype=acc)  # attention summed over heads (the KL target)
         gather = _Gather(kv, c * k, acc)
-        hidden = None if _all_visible(valid) else ~valid
+        hidden = None if all_visible(valid) else ~valid
         # reused buffers: a fresh allocation of this size is fresh pages (page faults) every time
         q_scaled = q.new_empty(c, n, dim, dtype=acc)  # the softmax scale goes on q, not the scores
         scores_buf = q.new_empty(c, n, k, dtype=acc)
@@ -112,7 +112,7 @@ class SparseLatentAttention(torch.autograd.Function):
         product = q.new_empty(c, n, k, dtype=acc)
         dq_buf = q.new_empty(c, n, dim, dtype=acc)
         contribution_buf = q.new_empty(c, k, dim, dtype=acc)
-        hidden = None if _all_visible(valid) else ~valid
+        hidden = None if all_visible(valid) else ~valid
         for bi in range(b):
             for lo in range(0, s, c):
                 hi = min(lo + c, s)
@@ -135,7 +135,7 @@ class SparseLatentAttention(torch.autograd.Function):
         return grad_q, grad_kv.to(kv.dtype), None, None, None, None, None
 
 
-def _all_visible(valid: torch.Tensor) -> bool:
+def all_visible(valid: torch.Tensor) -> bool:
     """Every selected key visible (no mask to apply); asked on the CPU only (a device sync)."""
     return not valid.is_cuda and bool(valid.all())
 
