@@ -4,14 +4,14 @@ breakdown of where DSA's time goes, and optionally megatron-core 0.16.1's DSAtte
 qk 192 + 64, v 256, q/kv LoRA 512, indexer 8 x 128, hidden 512, top-k 2048. Each (variant, L)
 runs in its own process so peak RSS is its own.
 
-A DSA process times one clean step (ours_s, peak RSS), then a second step under torch.profiler
-whose events are attributed to components: forward scopes the benchmark wraps around the DSA
-functions, backward by autograd node, the rest (MLA projections, absorption, glue) together. The
+A DSA process times ``--repeats`` clean steps (ours_s: their median; peak RSS), then one more
+under torch.profiler whose events are attributed to components: forward scopes the benchmark
+wraps around the DSA functions, backward by autograd node, the rest (MLA projections, absorption, glue) together. The
 parts must sum to within 10% of the clean step (printed). The sparse process also times a plain
 GEMM of the sparse core's shape (one chunk of queries' scores), the machine's ceiling for it.
 
     .venv/bin/python benchmarks/dsa.py [--lengths 8192 16384 32768] [--modes sparse warmup]
-                                       [--warmup-max 16384] [--megatron] [--json PATH]
+                                       [--warmup-max 16384] [--megatron] [--repeats 3] [--json PATH]
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import argparse
 import json
 import os
 import resource
+import statistics
 import subprocess
 import sys
 import time
@@ -192,22 +193,27 @@ def part_work(length: int, mode: str) -> dict:
 
 def gemm_ceiling() -> float:
     """GFLOP/s of one batched GEMM of the sparse core's shape: a chunk of queries' [heads, 576]
-    against their own [576, k] gathered rows (median of 15)."""
+    against their own gathered [k, 576] rows, the faster of the two layouts (the rows
+    transposed as the core reads them, or laid out [576, k]); median of 15 each."""
     import torch
 
     from model_providers.glm5.dsa.sparse_attention import rows_per_chunk
 
     c = rows_per_chunk(TOPK, LORA + ROPE, 4, CHUNK)
-    a, b = torch.randn(c, HEADS, LORA + ROPE), torch.randn(c, LORA + ROPE, TOPK)
-    times = []
-    for _ in range(17):
-        t0 = time.perf_counter()
-        torch.bmm(a, b)
-        times.append(time.perf_counter() - t0)
-    return 2 * c * HEADS * (LORA + ROPE) * TOPK / sorted(times[2:])[7] / 1e9
+    a = torch.randn(c, HEADS, LORA + ROPE)
+    rows = torch.randn(c, TOPK, LORA + ROPE)
+    best = 0.0
+    for b in (rows.transpose(1, 2), rows.transpose(1, 2).contiguous()):
+        times = []
+        for _ in range(17):
+            t0 = time.perf_counter()
+            torch.bmm(a, b)
+            times.append(time.perf_counter() - t0)
+        best = max(best, 2 * c * HEADS * (LORA + ROPE) * TOPK / sorted(times[2:])[7] / 1e9)
+    return best
 
 
-def run_one(variant: str, length: int) -> dict:
+def run_one(variant: str, length: int, repeats: int) -> dict:
     import torch
 
     from parallel.config import ParallelConfig
@@ -227,9 +233,12 @@ def run_one(variant: str, length: int) -> dict:
 
     step(256)  # warm-up
     ceiling = gemm_ceiling() if mode == "sparse" else None
-    t0 = time.perf_counter()
-    step(length)
-    row = {"seconds": time.perf_counter() - t0,
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        step(length)
+        times.append(time.perf_counter() - t0)
+    row = {"seconds": statistics.median(times), "steps_s": [round(t, 2) for t in times],
            "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
     if mode in ("sparse", "warmup"):
         _install_scopes()
@@ -241,11 +250,12 @@ def run_one(variant: str, length: int) -> dict:
     return row
 
 
-def _spawn(variant: str, length: int) -> dict | None:
+def _spawn(variant: str, length: int, repeats: int) -> dict | None:
     if variant == "megatron" and HEADS * length * length * 4 * 3 / 2**30 > MEM_GIB:
         return None
     env = dict(os.environ, PYTHONWARNINGS="ignore")
-    proc = subprocess.run([sys.executable, __file__, "--one", variant, str(length)], cwd=REPO,
+    proc = subprocess.run([sys.executable, __file__, "--one", variant, str(length),
+                           "--repeats", str(repeats)], cwd=REPO,
                           env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         print(f"{variant} L={length} failed:\n{proc.stderr[-2000:]}", file=sys.stderr)
@@ -315,23 +325,25 @@ def main() -> None:
     ap.add_argument("--warmup-max", type=int, default=16384, help="warm-up mode only up to this L")
     ap.add_argument("--megatron", action="store_true", help="also megatron-core's DSAttention")
     ap.add_argument("--json", help="write the rows here")
+    ap.add_argument("--repeats", type=int, default=3,
+                    help="clean steps per cell (after a short warm-up step): s/step is their median")
     ap.add_argument("--one", nargs=2)
     args = ap.parse_args()
     if args.one:
-        print(json.dumps(run_one(args.one[0], int(args.one[1]))))
+        print(json.dumps(run_one(args.one[0], int(args.one[1]), args.repeats)))
         return
     rows, table = [], []
     for length in args.lengths:
-        dense = _spawn("sdpa", length)
+        dense = _spawn("sdpa", length, args.repeats)
         print(f"  measured dense L={length}: {dense}", file=sys.stderr)
         for mode in args.modes:
             if mode == "warmup" and length > args.warmup_max:
                 continue
-            ours = _spawn("ours" if mode == "sparse" else mode, length)
+            ours = _spawn("ours" if mode == "sparse" else mode, length, args.repeats)
             if ours:
                 rows.append(result_row(length, mode, ours, dense))
                 _print_row(rows[-1])
-        mcore = _spawn("megatron", length) if args.megatron else None
+        mcore = _spawn("megatron", length, args.repeats) if args.megatron else None
         table.append((length, dense, mcore))
     print("\nDSA layer, fwd+bwd incl. indexer KL, fp32, batch 1, 16 heads, top-k 2048 (CPU, 2 cores)")
     print(f"{'L':>6} {'mode':>7} | {'ours s':>8} {'GiB':>6} | {'SDPA s':>8} {'GiB':>6} | {'ours/SDPA':>9}")
