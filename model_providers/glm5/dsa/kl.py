@@ -23,21 +23,23 @@ def _kl_and_grads(per_head, w, target, hidden, want_grads: bool):
     """One chunk of rows: per_head [R, H, n] (q . k per indexer head; overwritten), w [R, H],
     target [R, n] (rows sum to 1, 0 at hidden keys), hidden [R, n] or None (every key
     visible) -> (sum of the rows' KL, d per_head [R, H, n] (in per_head's storage) or None,
-    d w [R, H] or None).
-
-    With logits z and lse its hidden-masked log-sum-exp, KL(t || softmax(z)) = sum t log t -
-    sum t z + lse: z stays finite where t is 0, so no pass over log t, log q or a NaN guard."""
+    d w [R, H] or None)."""
     rows, heads, n = per_head.shape
     relu = per_head.relu_()
     logits = torch.bmm(w.view(rows, 1, heads), relu).view(rows, n)
-    value = torch.special.xlogy(target, target).sum() - torch.dot(target.reshape(-1), logits.reshape(-1))
     if hidden is not None:
         logits.masked_fill_(hidden, float("-inf"))
-    lse = torch.logsumexp(logits, dim=-1, keepdim=True)
-    value = value + lse.sum()
+    # log_softmax subtracts the max first: log q keeps the precision of z - max, where z - lse
+    # would round at lse's magnitude (an ulp of a logit of 50 is ~4e-6 in every term)
+    logq = torch.log_softmax(logits, dim=-1)
+    d_logits = logq.exp().sub_(target) if want_grads else None  # softmax - target (0 at hidden)
+    if hidden is not None:
+        logq.masked_fill_(hidden, 0.0)  # t = 0 there: no 0 x -inf
+    # KL = sum t log t - t log q: per row first, so the sum over rows does not depend (beyond
+    # the last bits of the KL) on which rows share a chunk
+    value = torch.addcmul(torch.special.xlogy(target, target), target, logq, value=-1).sum(-1).sum()
     if not want_grads:
         return value, None, None
-    d_logits = logits.sub_(lse).exp_().sub_(target)  # softmax - target (0 at hidden keys)
     d_w = torch.bmm(relu, d_logits.view(rows, n, 1)).view(rows, heads)
     # ReLU's gradient mask (relu > 0 where per_head > 0) times w x d_logits, in place
     d_per_head = relu.sign_().mul_(w.view(rows, heads, 1)).mul_(d_logits.view(rows, 1, n))
