@@ -34,7 +34,9 @@ def kv_up_projection(base: type) -> type:
             if rows is None or rows >= x.shape[0]:
                 return super().forward(x, *args, **kwargs)
             out, bias = super().forward(x[:rows], *args, **kwargs)
-            return torch.cat([out, out.new_zeros(x.shape[0] - rows, *out.shape[1:])]), bias
+            full = out.new_zeros(x.shape[0], *out.shape[1:])
+            full[:rows] = out  # (no concatenation: one full-size tensor, not two)
+            return full, bias
 
     KVUpProjection.__qualname__ = KVUpProjection.__name__ = f"KVUp{base.__name__}"
     return KVUpProjection

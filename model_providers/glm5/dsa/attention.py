@@ -108,7 +108,8 @@ class GLM5MLASelfAttention(MLASelfAttention):
         length, rows = c_full.shape[0], self._keys_read(c_full.shape[0])
         kv = F.linear(c_full[:rows], self.linear_kv_up_proj.weight)
         if rows is not None and rows < length:
-            kv = torch.cat([kv, kv.new_zeros(length - rows, *kv.shape[1:])])
+            prefix, kv = kv, kv.new_zeros(length, *kv.shape[1:])
+            kv[:rows] = prefix
         kv = kv.view(*c_full.shape[:2], n, -1)
         k_nope, value = kv.split([nope, cfg.v_head_dim], dim=-1)
         key = torch.cat([k_nope, k_rope[:, :, None].expand(-1, -1, n, -1)], dim=-1)
