@@ -6,8 +6,8 @@ runs in its own process so peak RSS is its own.
 
 A DSA process times ``--repeats`` clean steps (ours_s: their median; peak RSS), then one more
 under torch.profiler whose events are attributed to components: forward scopes the benchmark
-wraps around the DSA functions, backward by autograd node, the rest (MLA projections, absorption, glue) together. The
-parts must sum to within 10% of the clean step (printed). The sparse process also times a plain
+wraps around the DSA functions, backward by autograd node, the rest (MLA projections,
+absorption, glue) together. The parts must sum to within 10% of the clean step (printed). The sparse process also times a plain
 GEMM of the sparse core's shape (one chunk of queries' scores), the machine's ceiling for it.
 
     .venv/bin/python benchmarks/dsa.py [--lengths 8192 16384 32768] [--modes sparse warmup]

@@ -20,6 +20,16 @@ from functools import lru_cache
 import torch
 
 
+def zero_padded(prefix: torch.Tensor, length: int) -> torch.Tensor:
+    """``prefix`` [rows, ...] followed by zero rows up to ``length`` (one full-size tensor, no
+    concatenation's second copy); the gradient reaches ``prefix`` through the slice."""
+    if prefix.shape[0] >= length:
+        return prefix
+    full = prefix.new_zeros(length, *prefix.shape[1:])
+    full[:prefix.shape[0]] = prefix
+    return full
+
+
 @lru_cache(maxsize=None)
 def kv_up_projection(base: type) -> type:
     """``base`` (a column-parallel linear class) projecting only the first ``rows`` tokens."""
@@ -34,9 +44,7 @@ def kv_up_projection(base: type) -> type:
             if rows is None or rows >= x.shape[0]:
                 return super().forward(x, *args, **kwargs)
             out, bias = super().forward(x[:rows], *args, **kwargs)
-            full = out.new_zeros(x.shape[0], *out.shape[1:])
-            full[:rows] = out  # (no concatenation: one full-size tensor, not two)
-            return full, bias
+            return zero_padded(out, x.shape[0]), bias
 
     KVUpProjection.__qualname__ = KVUpProjection.__name__ = f"KVUp{base.__name__}"
     return KVUpProjection

@@ -26,6 +26,7 @@ from model_providers.glm5.dsa.kernels import HAVE_TRITON, sparse_mla_triton
 from model_providers.glm5.dsa.kl import dense_kl, sparse_kl
 from model_providers.glm5.dsa.layout import TokenLayout
 from model_providers.glm5.dsa.sparse_attention import sparse_latent_attention
+from model_providers.glm5.kv_up_projection import zero_padded
 from parallel.context_parallel import cp_size, gather_sequence, local_positions
 from parallel.device import on_gpu
 
@@ -105,11 +106,8 @@ class GLM5MLASelfAttention(MLASelfAttention):
         c_full = gather_sequence(_full_sequence(kv_latent, cfg.sequence_parallel))
         k_rope = gather_sequence(key_local[:, :, 0, nope:])  # [L, b, rope]
         n = key_local.shape[2]
-        length, rows = c_full.shape[0], self._keys_read(c_full.shape[0])
-        kv = F.linear(c_full[:rows], self.linear_kv_up_proj.weight)
-        if rows is not None and rows < length:
-            prefix, kv = kv, kv.new_zeros(length, *kv.shape[1:])
-            kv[:rows] = prefix
+        rows = self._keys_read(c_full.shape[0])
+        kv = zero_padded(F.linear(c_full[:rows], self.linear_kv_up_proj.weight), c_full.shape[0])
         kv = kv.view(*c_full.shape[:2], n, -1)
         k_nope, value = kv.split([nope, cfg.v_head_dim], dim=-1)
         key = torch.cat([k_nope, k_rope[:, :, None].expand(-1, -1, n, -1)], dim=-1)
