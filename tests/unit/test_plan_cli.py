@@ -36,7 +36,11 @@ def test_shipped_glm5_recipe_validates_and_fits_with_10_percent_free(capsys, tmp
         assert s["fits"] and s["headroom"] >= 0.10, (s["name"], s["peak_gib"], s["headroom"])
         assert s["peak_gib"] == pytest.approx(max(r["peak_gib"] for r in s["ranks"]))
         assert s["gpu_hours"] == pytest.approx(s["steps"] * s["step_s"] * nodes * 8 / 3600)
-        assert 0.05 < s["mfu"] < 0.7, (s["name"], s["mfu"])
+        # the executed FLOPs must stay physically plausible; Megatron's accounting counts dense
+        # attention over the whole context, so in the sparse stage it overstates the work done
+        assert 0.05 < s["mfu_exact"] < 0.7, (s["name"], s["mfu_exact"])
+        if s["name"] == "dsa_sparse":
+            assert s["mfu"] > 2 * s["mfu_exact"], (s["mfu"], s["mfu_exact"])
     assert got["gpu_hours"] == pytest.approx(sum(s["gpu_hours"] for s in got["stages"]))
 
 
