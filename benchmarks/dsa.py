@@ -12,6 +12,7 @@ GEMM of the sparse core's shape (one chunk of queries' scores), the machine's ce
 
     .venv/bin/python benchmarks/dsa.py [--lengths 8192 16384 32768] [--modes sparse warmup]
                                        [--warmup-max 16384] [--megatron] [--repeats 3] [--json PATH]
+                                       [--kernels auto torch]
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ sys.path.insert(0, REPO)
 
 HIDDEN, HEADS, NOPE, ROPE, V, LORA, TOPK = 512, 16, 192, 64, 256, 512, 2048
 INDEX_HEADS, INDEX_DIM, CHUNK = 8, 128, 128
+KERNELS = "auto"  #: model.dsa.kernels of the layer under test (--kernels; set in its process)
 MEM_GIB = 23.0  # this machine; megatron's DSAttention is skipped where its L x L scores cannot fit
 
 
@@ -90,7 +92,7 @@ def _our_layer(cfg, mode: str):
     from model_providers.glm5.specs import _local_layer_spec
 
     dsa = DSAConfig(mode=mode, index_heads=INDEX_HEADS, index_head_dim=INDEX_DIM, topk=TOPK,
-                    query_chunk=CHUNK)
+                    query_chunk=CHUNK, kernels=KERNELS)
     spec = _local_layer_spec(None, dsa).submodules.self_attention
     return build_module(spec, config=cfg, layer_number=1)
 
@@ -100,6 +102,7 @@ PARTS = ("indexer projection", "indexer scoring", "top-k", "sparse forward", "sp
          "dense attention backward", "other (MLA projections, absorption, glue)")
 _OTHER = PARTS[-1]
 _BACKWARD_NODES = {"SparseLatentAttentionBackward": "sparse backward",
+                   "SparseLatentAttentionCPUBackward": "sparse backward",
                    "_KLWithEagerGradientsBackward": "KL backward",
                    "ScaledDotProductFlashAttentionForCpuBackward0": "dense attention backward"}
 
@@ -117,6 +120,7 @@ def _install_scopes():
     """record_function scopes around the DSA functions (the product code has none)."""
     import model_providers.glm5.dsa.attention as attention
     import model_providers.glm5.dsa.indexer as indexer
+    import model_providers.glm5.dsa.kernels.sparse_mla_cpu as fused
     import model_providers.glm5.dsa.sparse_attention as sparse
 
     attention.DSACoreAttention._indexer_inputs = _scoped(attention.DSACoreAttention._indexer_inputs,
@@ -125,6 +129,8 @@ def _install_scopes():
     indexer.topk_indices = _scoped(indexer.topk_indices, "top-k")
     sparse.SparseLatentAttention.forward = staticmethod(
         _scoped(sparse.SparseLatentAttention.forward, "sparse forward"))
+    fused.SparseLatentAttentionCPU.forward = staticmethod(
+        _scoped(fused.SparseLatentAttentionCPU.forward, "sparse forward"))
     attention.dense_kl = _scoped(attention.dense_kl, "indexer KL (value + gradients)")
     attention.sparse_kl = _scoped(attention.sparse_kl, "indexer KL (value + gradients)")
     attention.DSACoreAttention._dense = _scoped(attention.DSACoreAttention._dense,
@@ -250,12 +256,12 @@ def run_one(variant: str, length: int, repeats: int) -> dict:
     return row
 
 
-def _spawn(variant: str, length: int, repeats: int) -> dict | None:
+def _spawn(variant: str, length: int, repeats: int, kernels: str = "auto") -> dict | None:
     if variant == "megatron" and HEADS * length * length * 4 * 3 / 2**30 > MEM_GIB:
         return None
     env = dict(os.environ, PYTHONWARNINGS="ignore")
     proc = subprocess.run([sys.executable, __file__, "--one", variant, str(length),
-                           "--repeats", str(repeats)], cwd=REPO,
+                           "--repeats", str(repeats), "--kernels", kernels], cwd=REPO,
                           env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         print(f"{variant} L={length} failed:\n{proc.stderr[-2000:]}", file=sys.stderr)
@@ -300,7 +306,7 @@ def result_row(length: int, mode: str, ours: dict, dense: dict) -> dict:
 
 def _print_row(row: dict) -> None:
     ratio = f"{row['ours_s'] / row['dense_s']:.2f}x dense" if row["dense_s"] else "no dense"
-    print(f"\nL={row['L']} {row['mode']}: {row['ours_s']:.1f} s ({ratio} {row['dense_s']} s), "
+    print(f"\nL={row['L']} {row['mode']} (kernels={row.get('kernels', 'auto')}): {row['ours_s']:.1f} s ({ratio} {row['dense_s']} s), "
           f"{row['ours_gib']:.2f} GiB (dense {row['dense_gib']} GiB); parts sum {row['parts_sum_s']:.1f} s "
           f"= {row['parts_sum_s'] / row['ours_s']:.0%} of the step")
     if "gemm_ceiling_gflop_per_s" in row:
@@ -327,8 +333,13 @@ def main() -> None:
     ap.add_argument("--json", help="write the rows here")
     ap.add_argument("--repeats", type=int, default=3,
                     help="clean steps per cell (after a short warm-up step): s/step is their median")
+    ap.add_argument("--kernels", nargs="+", default=["auto"], choices=["auto", "torch"],
+                    help="model.dsa.kernels: auto (the fused C++ sparse MLA on CPU), torch (op by op); "
+                         "several: one row each, measured in the same run")
     ap.add_argument("--one", nargs=2)
     args = ap.parse_args()
+    global KERNELS
+    KERNELS = args.kernels[0]
     if args.one:
         print(json.dumps(run_one(args.one[0], int(args.one[1]), args.repeats)))
         return
@@ -339,17 +350,18 @@ def main() -> None:
         for mode in args.modes:
             if mode == "warmup" and length > args.warmup_max:
                 continue
-            ours = _spawn("ours" if mode == "sparse" else mode, length, args.repeats)
-            if ours:
-                rows.append(result_row(length, mode, ours, dense))
-                _print_row(rows[-1])
+            for kernels in args.kernels:
+                ours = _spawn("ours" if mode == "sparse" else mode, length, args.repeats, kernels)
+                if ours:
+                    rows.append(dict(result_row(length, mode, ours, dense), kernels=kernels))
+                    _print_row(rows[-1])
         mcore = _spawn("megatron", length, args.repeats) if args.megatron else None
         table.append((length, dense, mcore))
     print("\nDSA layer, fwd+bwd incl. indexer KL, fp32, batch 1, 16 heads, top-k 2048 (CPU, 2 cores)")
-    print(f"{'L':>6} {'mode':>7} | {'ours s':>8} {'GiB':>6} | {'SDPA s':>8} {'GiB':>6} | {'ours/SDPA':>9}")
+    print(f"{'L':>6} {'mode':>7} {'kernels':>7} | {'ours s':>8} {'GiB':>6} | {'SDPA s':>8} {'GiB':>6} | {'ours/SDPA':>9}")
     for row in rows:
         ratio = f"{row['ours_s'] / row['dense_s']:8.2f}x" if row["dense_s"] else f"{'-':>9}"
-        print(f"{row['L']:>6} {row['mode']:>7} | {row['ours_s']:8.1f} {row['ours_gib']:6.2f} | "
+        print(f"{row['L']:>6} {row['mode']:>7} {row['kernels']:>7} | {row['ours_s']:8.1f} {row['ours_gib']:6.2f} | "
               f"{row['dense_s'] or 0:8.1f} {row['dense_gib'] or 0:6.2f} | {ratio}")
     for length, _, mcore in table:
         if mcore:

@@ -28,8 +28,9 @@ class DSAConfig:
     kl_coeff: float = 1.0  #: weight of the indexer KL loss
     indexer_dtype: str = "fp32"  #: fp8 | bf16 | fp32
     query_chunk: int = 64  #: queries scored at once (memory O(chunk * L)); GLM-5 run: 1024
-    #: sparse attention and indexer kernels: auto (Triton on CUDA when triton imports, else
-    #: torch) | torch | triton (CUDA, or CPU tensors under TRITON_INTERPRET=1, for tests)
+    #: sparse attention and indexer kernels: auto (Triton on CUDA when triton imports; on CPU the
+    #: fused C++ sparse MLA where it builds; else torch) | torch (op by op, the reference) |
+    #: triton (CUDA, or CPU tensors under TRITON_INTERPRET=1, for tests)
     kernels: str = "auto"
 
 

@@ -104,8 +104,9 @@ def test_exact_count_equals_flop_counter_on_the_tiny_model(one_rank, mode, recom
     last row sees, c (c - 1) / 2 pairs more than the visible ones per chunk; one row per chunk
     scores exactly the visible keys (GLM-5's 256-row chunks at 202752 tokens add ~0.1%). seq 64
     with topk 32: a dense prefix of 32 queries and 32 sparse ones. Selective recomputation runs
-    core_attn, mla_up_proj and moe again."""
-    cfg = GLM5Config(dsa=DSAConfig(mode=mode, query_chunk=1), recompute=recompute,
+    core_attn, mla_up_proj and moe again. kernels=torch: FlopCounterMode sees aten ops only,
+    not the GEMMs inside the fused CPU kernel."""
+    cfg = GLM5Config(dsa=DSAConfig(mode=mode, query_chunk=1, kernels="torch"), recompute=recompute,
                      recompute_modules=["core_attn", "mla_up_proj", "moe"])
     f = flops_per_token(cfg, SEQ)
     expected = f.hardware + (_torch_sparse_backward_extra(cfg, SEQ) if mode == "sparse" else 0.0)

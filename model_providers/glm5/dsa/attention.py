@@ -23,9 +23,10 @@ from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 from model_providers.glm5.dsa.dense_attention import dense_attention
 from model_providers.glm5.dsa.indexer import LightningIndexer, select_topk
 from model_providers.glm5.dsa.kernels import HAVE_TRITON, sparse_mla_triton
+from model_providers.glm5.dsa.kernels.sparse_mla_cpu import cpu_kernel, fits_cpu_kernel, sparse_mla_cpu
 from model_providers.glm5.dsa.kl import dense_kl, sparse_kl
 from model_providers.glm5.dsa.layout import TokenLayout
-from model_providers.glm5.dsa.sparse_attention import sparse_latent_attention
+from model_providers.glm5.dsa.sparse_attention import all_visible, sparse_latent_attention
 from model_providers.glm5.kv_up_projection import zero_padded
 from parallel.context_parallel import cp_size, gather_sequence, local_positions
 from parallel.device import on_gpu
@@ -120,6 +121,11 @@ def use_triton_kernels(kernels: str, query: torch.Tensor) -> bool:
     if kernels == "auto":
         return on_gpu(query) and HAVE_TRITON
     return kernels == "triton"
+
+
+def use_cpu_kernel(kernels: str, query: torch.Tensor) -> bool:
+    """``model.dsa.kernels=auto`` on CPU tensors: the fused C++ sparse MLA where it builds."""
+    return kernels == "auto" and fits_cpu_kernel(query) and cpu_kernel() is not None
 
 
 def _full_sequence(t_sbh: torch.Tensor, sequence_parallel: bool) -> torch.Tensor:
@@ -249,6 +255,10 @@ class DSACoreAttention(MegatronModule):
         if triton:
             o_lat, head_probs = sparse_mla_triton(q_abs.contiguous(), kv.contiguous(), idx, valid,
                                                   self.softmax_scale, cfg.kv_lora_rank)
+        elif use_cpu_kernel(self.dsa.kernels, q_abs):
+            o_lat, head_probs = sparse_mla_cpu(q_abs.contiguous(), kv.contiguous(), idx,
+                                               None if all_visible(valid) else valid,
+                                               self.softmax_scale, cfg.kv_lora_rank)
         else:
             o_lat, head_probs = sparse_latent_attention(
                 q_abs.contiguous(), kv.contiguous(), idx, valid, self.softmax_scale,

@@ -1,0 +1,87 @@
+"""Fused sparse MLA for CPU ranks: the C++ counterpart of
+``sparse_attention.sparse_latent_attention`` (same shapes, semantics and precision; the source,
+``sparse_mla_cpu.cpp``, says how it is organised).
+
+The kernel is compiled on first use with torch's extension builder (g++ and ninja; a few tens of
+seconds once) into torch's extensions directory (``TORCH_EXTENSIONS_DIR``), under a name keyed by
+this CPU's instruction-set flags: it is built with ``-march=native``, so a home directory shared by
+a login node and compute nodes of another CPU type keeps one build per CPU type. Where it cannot be
+built (no compiler), :func:`cpu_kernel` warns once and returns None, and the caller keeps the
+op-by-op torch path.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import platform
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("sparse_mla_cpu.cpp")
+#: selected keys per block: the block's gathered latent rows (256 x 576 x 4 B = 0.6 MiB) stay in
+#: L2 between the block's GEMMs (measured 128/256/512 at 16K: 256 is fastest)
+KEY_BLOCK = 256
+
+
+def _cpu_flags() -> str:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return ""
+    return next((line for line in text.splitlines() if line.startswith(("flags", "Features"))), "")
+
+
+def _name() -> str:
+    key = hashlib.sha1(f"{platform.machine()} {_cpu_flags()}".encode()).hexdigest()[:10]
+    return f"glm5_sparse_mla_cpu_{key}"
+
+
+@functools.cache
+def cpu_kernel():
+    """The compiled extension module, or None (with one warning) where it cannot be built."""
+    from torch.utils.cpp_extension import load
+
+    bin_dir = os.path.dirname(sys.executable)  # the venv's ninja, when the venv is not activated
+    if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
+        os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
+    try:
+        return load(name=_name(), sources=[str(SOURCE)], extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                    extra_ldflags=["-fopenmp"], verbose=False)
+    except Exception as err:  # no compiler, no ninja, an unsupported platform
+        warnings.warn(f"the fused CPU sparse MLA kernel did not build ({type(err).__name__}: {err}); "
+                      "DSA sparse attention on CPU falls back to the op-by-op torch path", stacklevel=2)
+        return None
+
+
+def fits_cpu_kernel(q: torch.Tensor) -> bool:
+    """CPU tensors in fp32/bf16/fp16 (fp64 stays on the torch path, which computes in fp64)."""
+    return q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16, torch.float16)
+
+
+class SparseLatentAttentionCPU(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, kv, idx, valid, scale: float, dv: int):
+        out, lse, head_probs = cpu_kernel().forward(q, kv, idx, valid, scale, dv, KEY_BLOCK)
+        ctx.save_for_backward(q, kv, idx, valid, out, lse)
+        ctx.scale, ctx.dv = scale, dv
+        ctx.mark_non_differentiable(head_probs)
+        return out, head_probs
+
+    @staticmethod
+    def backward(ctx, grad_out, _grad_head_probs):
+        q, kv, idx, valid, out, lse = ctx.saved_tensors
+        grad_q, grad_kv = cpu_kernel().backward(q, kv, idx, valid, ctx.scale, ctx.dv, KEY_BLOCK,
+                                                grad_out.contiguous(), out, lse)
+        return grad_q, grad_kv, None, None, None, None
+
+
+def sparse_mla_cpu(q, kv, idx, valid, scale: float, dv: int):
+    """Same contract as ``sparse_latent_attention`` (q, kv contiguous; valid may be None when
+    every selected key is visible). Returns (o [b, s, n, dv] in q's dtype, head_probs [b, s, k]
+    fp32)."""
+    return SparseLatentAttentionCPU.apply(q, kv, idx, valid, scale, dv)

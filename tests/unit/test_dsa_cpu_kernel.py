@@ -1,0 +1,83 @@
+"""The fused C++ sparse MLA (``dsa/kernels/sparse_mla_cpu``) equals the op-by-op torch path
+(``dsa/sparse_attention``): output, head probabilities and both gradients, with hidden keys and
+without, fp32 and bf16, key counts that are not a multiple of the key block; it is bitwise
+deterministic; and ``model.dsa.kernels=auto`` runs it in the DSA layer on CPU with the same
+outputs and gradients as ``kernels=torch`` on packed documents."""
+
+import pytest
+import torch
+
+import model_providers.glm5.dsa.attention as attention
+from model_providers.glm5.dsa.kernels import sparse_mla_cpu as fused
+from model_providers.glm5.dsa.sparse_attention import SparseLatentAttention
+from tests.unit.test_dsa_layer import _layer
+
+N, D, DV = 4, 40, 32  # heads, latent + rope, latent (values)
+
+
+def _inputs(b, s, L, k, dtype, hidden: bool, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, s, N, D, generator=g).to(dtype)
+    kv = torch.randn(b, L, D, generator=g).to(dtype)
+    idx = torch.stack([torch.randperm(L, generator=g)[:k] for _ in range(b * s)]).view(b, s, k)
+    if hidden:  # some selected keys hidden (future / other document); every query sees one at least
+        valid = torch.rand(b, s, k, generator=g) < 0.6
+        valid[..., k // 2] = True
+    else:
+        valid = torch.ones(b, s, k, dtype=torch.bool)
+    return q, kv, idx, valid
+
+
+def _run(fn, q, kv, *rest):
+    q, kv = q.clone().requires_grad_(), kv.clone().requires_grad_()
+    out, head_probs = fn(q, kv, *rest)
+    g = torch.Generator().manual_seed(1)
+    out.backward(torch.randn(out.shape, generator=g).to(out.dtype))
+    return [out, head_probs, q.grad, kv.grad]
+
+
+def _worst(a, b):
+    return max(float((x.float() - y.float()).abs().max() / y.float().abs().max()) for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 2e-6), (torch.bfloat16, 1e-2)])
+@pytest.mark.parametrize("hidden", [False, True])
+def test_fused_cpu_kernel_equals_torch_path(dtype, tol, hidden, monkeypatch):
+    monkeypatch.setattr(fused, "KEY_BLOCK", 16)  # k = 37: two full key blocks and a partial one
+    q, kv, idx, valid = _inputs(2, 9, 70, 37, dtype, hidden)
+    scale = D ** -0.5
+    want = _run(lambda q, kv: SparseLatentAttention.apply(q, kv, idx, valid, scale, DV, 4), q, kv)
+    got = _run(lambda q, kv: fused.sparse_mla_cpu(q, kv, idx, valid if hidden else None, scale, DV), q, kv)
+    assert [t.dtype for t in got] == [t.dtype for t in want]
+    assert _worst(got, want) <= tol, _worst(got, want)
+    if hidden:  # hidden keys carry no probability and receive no gradient
+        assert float(got[1][~valid].abs().max()) == 0.0
+
+
+def test_fused_cpu_kernel_is_deterministic():
+    q, kv, idx, valid = _inputs(1, 33, 64, 24, torch.float32, True, seed=3)
+    runs = [_run(lambda q, kv: fused.sparse_mla_cpu(q, kv, idx, valid, 0.2, DV), q, kv) for _ in range(2)]
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
+
+
+def test_auto_runs_the_fused_cpu_kernel_in_the_layer(one_rank, monkeypatch):
+    calls = []
+    kernel = attention.sparse_mla_cpu
+    monkeypatch.setattr(attention, "sparse_mla_cpu", lambda *a: calls.append(a[3]) or kernel(*a))
+    torch.manual_seed(0)
+    layers = {}
+    for choice in ("torch", "auto"):
+        layer = _layer("sparse", topk=6)
+        layer.core_attention.dsa.kernels = choice
+        layers[choice] = layer
+    layers["auto"].load_state_dict(layers["torch"].state_dict())
+    x = torch.randn(21, 2, 64)
+    docs = torch.tensor([[0] * 8 + [1] * 13, [0] * 15 + [1] * 6])
+    res = {}
+    for choice, layer in layers.items():
+        xi = x.clone().requires_grad_()
+        out, _ = layer(xi, attention_mask=docs)
+        out.square().sum().backward()
+        res[choice] = [out.detach(), xi.grad] + [p.grad for p in layer.parameters()]
+    assert len(calls) == 1 and calls[0] is not None  # packed documents hide keys: the mask is passed
+    assert _worst(res["auto"], res["torch"]) <= 1e-5
