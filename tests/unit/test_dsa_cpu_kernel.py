@@ -1,7 +1,7 @@
 """The fused C++ sparse MLA (``dsa/kernels/sparse_mla_cpu``) equals the op-by-op torch path
 (``dsa/sparse_attention``): output, head probabilities and both gradients, with hidden keys and
 without, fp32 and bf16, key counts that are not a multiple of the key block; it is bitwise
-deterministic; and ``model.dsa.kernels=auto`` runs it in the DSA layer on CPU with the same
+deterministic; o comes head-major (dO in any layout); and ``model.dsa.kernels=auto`` runs it in the DSA layer on CPU with the same
 outputs and gradients as ``kernels=torch`` on packed documents."""
 
 import pytest
@@ -49,6 +49,7 @@ def test_fused_cpu_kernel_equals_torch_path(dtype, tol, hidden, monkeypatch):
     want = _run(lambda q, kv: SparseLatentAttention.apply(q, kv, idx, valid, scale, DV, 4), q, kv)
     got = _run(lambda q, kv: fused.sparse_mla_cpu(q, kv, idx, valid if hidden else None, scale, DV), q, kv)
     assert [t.dtype for t in got] == [t.dtype for t in want]
+    assert got[0].permute(2, 0, 1, 3).is_contiguous()  # head-major o: W_UV's per-head GEMM reads it in place
     assert _worst(got, want) <= tol, _worst(got, want)
     if hidden:  # hidden keys carry no probability and receive no gradient
         assert float(got[1][~valid].abs().max()) == 0.0
@@ -81,3 +82,20 @@ def test_auto_runs_the_fused_cpu_kernel_in_the_layer(one_rank, monkeypatch):
         res[choice] = [out.detach(), xi.grad] + [p.grad for p in layer.parameters()]
     assert len(calls) == 1 and calls[0] is not None  # packed documents hide keys: the mask is passed
     assert _worst(res["auto"], res["torch"]) <= 1e-5
+
+
+def test_a_stale_build_lock_is_removed_and_a_live_one_kept(tmp_path, monkeypatch):
+    import os
+    import time
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    lock = tmp_path / "some_kernel" / "lock"
+    lock.parent.mkdir()
+    lock.touch()
+    fused._clear_stale_lock("some_kernel")
+    assert lock.exists()  # a build under way
+    old = time.time() - fused.STALE_LOCK_S - 1
+    os.utime(lock, (old, old))
+    with pytest.warns(UserWarning, match="stale build lock"):
+        fused._clear_stale_lock("some_kernel")
+    assert not lock.exists()

@@ -263,7 +263,12 @@ class DSACoreAttention(MegatronModule):
             o_lat, head_probs = sparse_latent_attention(
                 q_abs.contiguous(), kv.contiguous(), idx, valid, self.softmax_scale,
                 cfg.kv_lora_rank, self.dsa.query_chunk)
-        out = torch.einsum("bsnc,nvc->sbnv", o_lat, w_uv).reshape(s - first, b, n * dv)
+        # W_UV per head as one bmm over [n, b * rows, c]: a view when o_lat is head-major (the
+        # fused CPU kernel's), so the storage the kernel keeps is the one this GEMM keeps
+        rows = s - first
+        o_heads = o_lat.permute(2, 0, 1, 3).reshape(n, b * rows, cfg.kv_lora_rank)
+        out = torch.bmm(o_heads, w_uv.transpose(1, 2)).view(n, b, rows, dv)
+        out = out.permute(2, 1, 0, 3).reshape(rows, b, n * dv)
         kl = sparse_kl(iq[:, first:], ik, iw[:, first:], idx, valid, head_probs,
                        self.dsa.query_chunk, tp_group)
         return out, kl

@@ -2,7 +2,7 @@
 // selected latent rows are gathered a key block at a time into a thread-local buffer that stays in
 // L2 while the block's GEMMs read it (torch's own gather + bmm writes and rereads every query's
 // k x 576 rows through memory, which is what held the op-by-op version at ~55% of the GEMM
-// ceiling). The GEMMs are BLAS calls (ATen's cpublas); queries are split over the intra-op
+// ceiling). The GEMMs are BLAS calls (the BLAS torch links); queries are split over the intra-op
 // threads. Semantics, shapes and precision are those of sparse_attention.SparseLatentAttention:
 // fp32 statistics (scores, log-sum-exp, probabilities, delta, dq/dkv sums), the inputs upcast a
 // row at a time, only o, dq and dkv rounded to the input dtype.
@@ -12,13 +12,13 @@
 // thread order. The result depends on the thread count only (the same count gives bitwise the
 // same gradient).
 #include <ATen/ATen.h>
-#include <ATen/Parallel.h>
 #include <torch/extension.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <exception>
 #include <limits>
 #include <vector>
 
@@ -79,6 +79,18 @@ inline void gather_rows(float* buf, const T* kv, const int64_t* idx, int64_t row
     load_row(buf + r * d, kv + idx[r] * d, d);
   }
 }
+
+// [b, s, n, d] rows in any layout with contiguous last dim (o and dO are read in place).
+template <typename T>
+struct Rows {
+  const T* p;
+  int64_t sb, ss, sh;
+  static Rows of(const at::Tensor& x) {
+    TORCH_CHECK(x.dim() == 4 && x.stride(3) == 1, "sparse MLA: o / dO need a contiguous last dim");
+    return Rows{x.data_ptr<T>(), x.stride(0), x.stride(1), x.stride(2)};
+  }
+  const T* row(int64_t bi, int64_t si, int64_t h) const { return p + bi * sb + si * ss + h * sh; }
+};
 
 struct Dims {
   int64_t b, s, n, d, dv, k, L, block;
@@ -142,7 +154,7 @@ void forward_queries(const Dims& z, const T* q, const T* kv, const int64_t* idx,
     for (int64_t h = 0; h < n; ++h) {
       const float lh = m[h] + std::log(l[h]);
       lse[t * n + h] = lh;
-      store_row(out + (t * n + h) * dv, o.data() + h * dv, dv, 1.f / l[h]);
+      store_row(out + (h * z.b * z.s + t) * dv, o.data() + h * dv, dv, 1.f / l[h]);  // head-major
       const float* sr = scores.data() + h * k;
       for (int64_t j = 0; j < k; ++j) hp[j] += exp_nonpositive(sr[j] - lh);
     }
@@ -151,7 +163,7 @@ void forward_queries(const Dims& z, const T* q, const T* kv, const int64_t* idx,
 
 template <typename T>
 void backward_queries(const Dims& z, const T* q, const T* kv, const int64_t* idx, const bool* valid,
-                      float scale, const T* grad_out, const T* out, const float* lse, T* grad_q,
+                      float scale, const Rows<T>& grad_out, const Rows<T>& out, const float* lse, T* grad_q,
                       float* grad_kv, int64_t begin, int64_t end) {
   const int64_t n = z.n, d = z.d, dv = z.dv, k = z.k, B = z.block;
   // a = [q * scale ; dO | 0] (2n rows): a . buf^T gives the scores and dP in one GEMM, and
@@ -169,8 +181,8 @@ void backward_queries(const Dims& z, const T* q, const T* kv, const int64_t* idx
       float* da = a.data() + (n + h) * d;
       load_row(qa, q + (t * n + h) * d, d);
       for (int64_t i = 0; i < d; ++i) qa[i] *= scale;
-      load_row(da, grad_out + (t * n + h) * dv, dv);
-      load_row(orow.data(), out + (t * n + h) * dv, dv);
+      load_row(da, grad_out.row(bi, t % z.s, h), dv);
+      load_row(orow.data(), out.row(bi, t % z.s, h), dv);
       float acc = 0.f;  // delta = rowsum(dO * O)
       for (int64_t i = 0; i < dv; ++i) acc += da[i] * orow[i];
       delta[h] = acc;
@@ -221,6 +233,26 @@ Dims dims_of(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& idx, c
   return Dims{q.size(0), q.size(1), q.size(2), q.size(3), dv, idx.size(2), kv.size(1), block};
 }
 
+// fn(t) for t in [0, threads) on the calling thread's OpenMP team, exceptions rethrown here.
+// Not at::parallel_for: its inline first-use initialisation is this library's own copy, so on
+// its first call in a thread it re-applies torch's process-wide thread count to that thread,
+// which the CPU emulation sets to 1 for helper threads: the training thread would drop to one
+// thread for the rest of the process.
+template <typename F>
+void on_threads(int64_t threads, const F& fn) {
+  std::exception_ptr error;
+#pragma omp parallel for num_threads(threads) schedule(static, 1)
+  for (int64_t t = 0; t < threads; ++t) {
+    try {
+      fn(t);
+    } catch (...) {
+#pragma omp critical
+      if (!error) error = std::current_exception();
+    }
+  }
+  if (error) std::rethrow_exception(error);
+}
+
 // Query ranges per thread: fixed by the thread count, so the kv-gradient sum order is too.
 std::vector<int64_t> split(int64_t total, int64_t parts) {
   std::vector<int64_t> edges(parts + 1);
@@ -231,28 +263,29 @@ std::vector<int64_t> split(int64_t total, int64_t parts) {
 std::vector<at::Tensor> forward(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& idx,
                                 const c10::optional<at::Tensor>& valid, double scale, int64_t dv, int64_t block) {
   const Dims z = dims_of(q, kv, idx, valid, dv, block);
-  auto out = at::empty({z.b, z.s, z.n, dv}, q.options());
+  // o is written head-major ([n, b, s, dv], returned as a [b, s, n, dv] view): the W_UV
+  // projection's per-head GEMM then reads it in place instead of a permuted copy
+  auto out = at::empty({z.n, z.b, z.s, dv}, q.options());
   auto lse = at::empty({z.b, z.s, z.n}, q.options().dtype(at::kFloat));
   auto head_probs = at::empty({z.b, z.s, z.k}, q.options().dtype(at::kFloat));
   auto valid_keep = valid ? valid->contiguous() : at::Tensor();
   const bool* vd = valid ? valid_keep.data_ptr<bool>() : nullptr;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "sparse_mla_cpu_forward", [&] {
-    const auto edges = split(z.b * z.s, at::get_num_threads());
-    at::parallel_for(0, static_cast<int64_t>(edges.size()) - 1, 1, [&](int64_t t0, int64_t t1) {
-      for (int64_t t = t0; t < t1; ++t)
-        forward_queries<scalar_t>(z, q.data_ptr<scalar_t>(), kv.data_ptr<scalar_t>(), idx.data_ptr<int64_t>(), vd,
-                                  static_cast<float>(scale), out.data_ptr<scalar_t>(), lse.data_ptr<float>(),
-                                  head_probs.data_ptr<float>(), edges[t], edges[t + 1]);
+    const int64_t threads = at::get_num_threads();
+    const auto edges = split(z.b * z.s, threads);
+    on_threads(threads, [&](int64_t t) {
+      forward_queries<scalar_t>(z, q.data_ptr<scalar_t>(), kv.data_ptr<scalar_t>(), idx.data_ptr<int64_t>(), vd,
+                                static_cast<float>(scale), out.data_ptr<scalar_t>(), lse.data_ptr<float>(),
+                                head_probs.data_ptr<float>(), edges[t], edges[t + 1]);
     });
   });
-  return {out, lse, head_probs};
+  return {out.permute({1, 2, 0, 3}), lse, head_probs};
 }
 
 std::vector<at::Tensor> backward(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& idx,
                                  const c10::optional<at::Tensor>& valid, double scale, int64_t dv, int64_t block,
                                  const at::Tensor& grad_out, const at::Tensor& out, const at::Tensor& lse) {
   const Dims z = dims_of(q, kv, idx, valid, dv, block);
-  auto go = grad_out.contiguous();
   auto grad_q = at::empty_like(q);
   auto valid_keep = valid ? valid->contiguous() : at::Tensor();
   const bool* vd = valid ? valid_keep.data_ptr<bool>() : nullptr;
@@ -261,12 +294,13 @@ std::vector<at::Tensor> backward(const at::Tensor& q, const at::Tensor& kv, cons
   const auto edges = split(z.b * z.s, threads);
   auto partial = at::zeros({threads, z.b, z.L, z.d}, q.options().dtype(at::kFloat));
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "sparse_mla_cpu_backward", [&] {
-    at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
-      for (int64_t t = t0; t < t1; ++t)
-        backward_queries<scalar_t>(z, q.data_ptr<scalar_t>(), kv.data_ptr<scalar_t>(), idx.data_ptr<int64_t>(), vd,
-                                   static_cast<float>(scale), go.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(),
-                                   lse.data_ptr<float>(), grad_q.data_ptr<scalar_t>(),
-                                   partial[t].data_ptr<float>(), edges[t], edges[t + 1]);
+    float* partial_data = partial.data_ptr<float>();
+    const auto go = Rows<scalar_t>::of(grad_out), o = Rows<scalar_t>::of(out);
+    on_threads(threads, [&](int64_t t) {
+      backward_queries<scalar_t>(z, q.data_ptr<scalar_t>(), kv.data_ptr<scalar_t>(), idx.data_ptr<int64_t>(), vd,
+                                 static_cast<float>(scale), go, o,
+                                 lse.data_ptr<float>(), grad_q.data_ptr<scalar_t>(),
+                                 partial_data + t * z.b * z.L * z.d, edges[t], edges[t + 1]);
     });
   });
   auto grad_kv = threads == 1 ? partial[0] : partial.sum(0);

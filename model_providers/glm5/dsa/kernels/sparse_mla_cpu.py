@@ -17,6 +17,7 @@ import hashlib
 import os
 import platform
 import sys
+import time
 import warnings
 from pathlib import Path
 
@@ -26,6 +27,8 @@ SOURCE = Path(__file__).with_name("sparse_mla_cpu.cpp")
 #: selected keys per block: the block's gathered latent rows (256 x 576 x 4 B = 0.6 MiB) stay in
 #: L2 between the block's GEMMs (measured 128/256/512 at 16K: 256 is fastest)
 KEY_BLOCK = 256
+#: seconds after which a build lock is stale (a build takes well under a minute)
+STALE_LOCK_S = 600
 
 
 def _cpu_flags() -> str:
@@ -41,6 +44,20 @@ def _name() -> str:
     return f"glm5_sparse_mla_cpu_{key}"
 
 
+def _clear_stale_lock(name: str) -> None:
+    """torch's builder waits forever on the lock file of a build that was killed (a timed-out
+    job, a Ctrl-C): a lock older than any real build is removed first."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    lock = Path(_get_build_directory(name, verbose=False)) / "lock"
+    try:
+        if time.time() - lock.stat().st_mtime > STALE_LOCK_S:
+            lock.unlink(missing_ok=True)
+            warnings.warn(f"removed a stale build lock {lock}", stacklevel=3)
+    except FileNotFoundError:
+        pass
+
+
 @functools.cache
 def cpu_kernel():
     """The compiled extension module, or None (with one warning) where it cannot be built."""
@@ -50,6 +67,7 @@ def cpu_kernel():
     if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
         os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
     try:
+        _clear_stale_lock(_name())
         return load(name=_name(), sources=[str(SOURCE)], extra_cflags=["-O3", "-march=native", "-fopenmp"],
                     extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as err:  # no compiler, no ninja, an unsupported platform
@@ -75,13 +93,16 @@ class SparseLatentAttentionCPU(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out, _grad_head_probs):
         q, kv, idx, valid, out, lse = ctx.saved_tensors
+        if grad_out.stride(-1) != 1:
+            grad_out = grad_out.contiguous()
         grad_q, grad_kv = cpu_kernel().backward(q, kv, idx, valid, ctx.scale, ctx.dv, KEY_BLOCK,
-                                                grad_out.contiguous(), out, lse)
+                                                grad_out, out, lse)
         return grad_q, grad_kv, None, None, None, None
 
 
 def sparse_mla_cpu(q, kv, idx, valid, scale: float, dv: int):
     """Same contract as ``sparse_latent_attention`` (q, kv contiguous; valid may be None when
-    every selected key is visible). Returns (o [b, s, n, dv] in q's dtype, head_probs [b, s, k]
-    fp32)."""
+    every selected key is visible). Returns (o [b, s, n, dv] in q's dtype, a view of head-major
+    storage [n, b, s, dv]; head_probs [b, s, k] fp32). o is kept for the backward (delta =
+    rowsum(dO o)); a per-head GEMM on ``o.permute(2, 0, 1, 3)`` reads and keeps that same storage."""
     return SparseLatentAttentionCPU.apply(q, kv, idx, valid, scale, dv)
