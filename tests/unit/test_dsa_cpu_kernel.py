@@ -99,3 +99,27 @@ def test_a_stale_build_lock_is_removed_and_a_live_one_kept(tmp_path, monkeypatch
     with pytest.warns(UserWarning, match="stale build lock"):
         fused._clear_stale_lock("some_kernel")
     assert not lock.exists()
+
+
+@pytest.mark.parametrize("hidden", [False, True])
+def test_fused_indexer_kl_equals_torch_path(hidden, monkeypatch):
+    """The sparse KL and its gradients to the indexer's q, k and weights (key count 37 over
+    blocks of 16)."""
+    from model_providers.glm5.dsa.kl import sparse_kl
+
+    monkeypatch.setattr(fused, "KEY_BLOCK", 16)
+    monkeypatch.setattr("model_providers.glm5.dsa.kl.KEY_BLOCK", 16)
+    b, s, heads, d, L, k = 2, 9, 3, 24, 70, 37
+    g = torch.Generator().manual_seed(5)
+    iq, ik, iw = (torch.randn(b, s, heads, d, generator=g), torch.randn(b, L, d, generator=g),
+                  torch.rand(b, s, heads, generator=g))
+    _, _, idx, valid = _inputs(b, s, L, k, torch.float32, hidden, seed=6)
+    head_probs = torch.rand(b, s, k, generator=g)
+    res = {}
+    for choice in (False, True):
+        leaves = [t.clone().requires_grad_() for t in (iq, ik, iw)]
+        value = sparse_kl(*leaves, idx, valid, head_probs, chunk=4, fused=choice)
+        value.backward()
+        res[choice] = [value.detach()] + [t.grad for t in leaves]
+    assert res[False][0] > 0.1  # a real KL, not a degenerate zero
+    assert _worst(res[True], res[False]) <= 2e-6, _worst(res[True], res[False])

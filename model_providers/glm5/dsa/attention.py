@@ -248,6 +248,7 @@ class DSACoreAttention(MegatronModule):
         q_nope, q_pe = query[first:].split([nope, rope], dim=-1)
         q_abs = torch.cat([torch.einsum("sbnd,ndc->bsnc", q_nope, w_uk),
                            q_pe.transpose(0, 1)], dim=-1)
+        fused = not triton and use_cpu_kernel(self.dsa.kernels, q_abs)
         c = mla.kv_full
         if c is None:
             c = _full_sequence(mla.kv_latent, cfg.sequence_parallel)
@@ -255,7 +256,7 @@ class DSACoreAttention(MegatronModule):
         if triton:
             o_lat, head_probs = sparse_mla_triton(q_abs.contiguous(), kv.contiguous(), idx, valid,
                                                   self.softmax_scale, cfg.kv_lora_rank)
-        elif use_cpu_kernel(self.dsa.kernels, q_abs):
+        elif fused:
             o_lat, head_probs = sparse_mla_cpu(q_abs.contiguous(), kv.contiguous(), idx,
                                                None if all_visible(valid) else valid,
                                                self.softmax_scale, cfg.kv_lora_rank)
@@ -270,7 +271,7 @@ class DSACoreAttention(MegatronModule):
         out = torch.bmm(o_heads, w_uv.transpose(1, 2)).view(n, b, rows, dv)
         out = out.permute(2, 1, 0, 3).reshape(rows, b, n * dv)
         kl = sparse_kl(iq[:, first:], ik, iw[:, first:], idx, valid, head_probs,
-                       self.dsa.query_chunk, tp_group)
+                       self.dsa.query_chunk, tp_group, fused)
         return out, kl
 
     def _track(self, kl: torch.Tensor) -> None:

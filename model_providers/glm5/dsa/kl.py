@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from model_providers.glm5.dsa.indexer import causal_mask
+from model_providers.glm5.dsa.kernels.sparse_mla_cpu import KEY_BLOCK, cpu_kernel
 from model_providers.glm5.dsa.sparse_attention import all_visible, rows_per_chunk, scatter_add_rows
 
 
@@ -132,9 +133,10 @@ def dense_kl(iq, ik, iw, query_sbnd, key_sbnd, scale: float, chunk: int, tp_grou
     return _KLWithEagerGradients.apply(run, iq, ik, iw)
 
 
-def sparse_kl(iq, ik, iw, idx, valid, head_probs, chunk: int, tp_group=None):
+def sparse_kl(iq, ik, iw, idx, valid, head_probs, chunk: int, tp_group=None, fused: bool = False):
     """Mean over the queries of ``iq``/``iw``/``idx`` of the sparse-form KL over each query's
-    selected keys (``ik`` holds every key)."""
+    selected keys (``ik`` holds every key). ``fused``: the fused CPU kernel computes it (the
+    caller checked it is built and the tensors are on the CPU)."""
     b, s, heads, d = iq.shape
     kk = idx.shape[-1]
     target = head_probs.detach().float().masked_fill(~valid, 0.0)
@@ -143,6 +145,13 @@ def sparse_kl(iq, ik, iw, idx, valid, head_probs, chunk: int, tp_group=None):
     target = target / target.sum(dim=-1, keepdim=True)
     hidden = None if all_visible(valid) else ~valid
     c_max = rows_per_chunk(kk, d, 4, chunk)
+
+    def run_fused(want_grads: bool):
+        total, dq, dk, dw = cpu_kernel().sparse_kl(
+            iq.detach().float().contiguous(), ik.detach().float().contiguous(),
+            iw.detach().float().contiguous(), idx, None if hidden is None else valid,
+            target.contiguous(), want_grads, KEY_BLOCK)
+        return _mean(total, (dq, dk, dw), b * s, want_grads)
 
     def run(want_grads: bool):
         dq, dk, dw = _grad_buffers(iq, ik, iw, want_grads)
@@ -170,7 +179,7 @@ def sparse_kl(iq, ik, iw, idx, valid, head_probs, chunk: int, tp_group=None):
                                                                        out=contribution_buf[:c]))
         return _mean(total, (dq, dk, dw), b * s, want_grads)
 
-    return _KLWithEagerGradients.apply(run, iq, ik, iw)
+    return _KLWithEagerGradients.apply(run_fused if fused else run, iq, ik, iw)
 
 
 def _mean(total, grads, count: int, want_grads: bool):

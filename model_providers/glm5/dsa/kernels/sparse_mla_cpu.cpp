@@ -307,9 +307,126 @@ std::vector<at::Tensor> backward(const at::Tensor& q, const at::Tensor& kv, cons
   return {grad_q, grad_kv.to(kv.scalar_type())};
 }
 
+// ---- The indexer's sparse KL (dsa/kl.py, sparse form) with its gradients, per query: ----
+// the query's selected indexer keys in blocks (GEMM per head), weighted-ReLU logits over all k,
+// log-softmax, KL(target || softmax), then d logits = softmax - target back through the ReLU into
+// dq, dw and the key rows (added into per-thread fp32 buffers, summed in thread order). fp32
+// inputs; the value is summed per row first, rows in double.
+void kl_queries(const Dims& z, int64_t heads, const float* q, const float* keys, const float* w,
+                const int64_t* idx, const bool* valid, const float* target, bool want_grads, double* value,
+                float* dq, float* dk, float* dw, int64_t begin, int64_t end) {
+  const int64_t H = heads, d = z.d, k = z.k, B = z.block;
+  std::vector<float> buf(B * d), ph(H * k), logits(k), dlog(k), dkblk(B * d);
+  double total = 0.0;
+  for (int64_t t = begin; t < end; ++t) {
+    const int64_t bi = t / z.s;
+    const float* keys_b = keys + bi * z.L * d;
+    const int64_t* ix = idx + t * k;
+    const bool* vd = valid ? valid + t * k : nullptr;
+    const float* qt = q + t * H * d;
+    const float* wt = w + t * H;
+    const float* tt = target + t * k;
+    for (int64_t j0 = 0; j0 < k; j0 += B) {  // per-head scores [H, k], then ReLU and the logits
+      const int64_t nb = std::min(B, k - j0);
+      gather_rows(buf.data(), keys_b, ix + j0, nb, d, z.L);
+      gemm(Op::T, Op::N, nb, H, d, 1.f, buf.data(), d, qt, d, 0.f, ph.data() + j0, k);
+    }
+    std::fill(logits.begin(), logits.end(), 0.f);
+    for (int64_t h = 0; h < H; ++h) {
+      float* r = ph.data() + h * k;
+      const float wh = wt[h];
+      for (int64_t j = 0; j < k; ++j) {
+        r[j] = std::max(r[j], 0.f);
+        logits[j] += wh * r[j];
+      }
+    }
+    float m = -std::numeric_limits<float>::infinity();
+    for (int64_t j = 0; j < k; ++j) {
+      if (vd && !vd[j]) logits[j] = -std::numeric_limits<float>::infinity();
+      m = std::max(m, logits[j]);
+    }
+    float sum = 0.f;
+    for (int64_t j = 0; j < k; ++j) sum += exp_nonpositive(logits[j] - m);
+    const float log_sum = std::log(sum);
+    double row = 0.0;
+    for (int64_t j = 0; j < k; ++j) {
+      const bool hidden = vd && !vd[j];
+      const float logq = hidden ? 0.f : (logits[j] - m) - log_sum;  // log_softmax: z - max first
+      const float tj = tt[j];
+      if (tj > 0.f) row += static_cast<double>(tj * std::log(tj) - tj * logq);
+      dlog[j] = hidden ? 0.f : exp_nonpositive(logits[j] - m) / sum - tj;
+    }
+    total += row;
+    if (!want_grads) continue;
+    for (int64_t h = 0; h < H; ++h) {  // dw, then d per_head = [relu > 0] w dlogits (in place)
+      float* r = ph.data() + h * k;
+      float acc = 0.f;
+      for (int64_t j = 0; j < k; ++j) acc += r[j] * dlog[j];
+      dw[t * H + h] = acc;
+      const float wh = wt[h];
+      for (int64_t j = 0; j < k; ++j) r[j] = r[j] > 0.f ? wh * dlog[j] : 0.f;
+    }
+    float* dqt = dq + t * H * d;
+    std::fill(dqt, dqt + H * d, 0.f);
+    float* dk_b = dk + bi * z.L * d;
+    for (int64_t j0 = 0; j0 < k; j0 += B) {
+      const int64_t nb = std::min(B, k - j0);
+      gather_rows(buf.data(), keys_b, ix + j0, nb, d, z.L);
+      gemm(Op::N, Op::N, d, H, nb, 1.f, buf.data(), d, ph.data() + j0, k, 1.f, dqt, d);  // dq += dph . K
+      gemm(Op::N, Op::T, d, nb, H, 1.f, qt, d, ph.data() + j0, k, 0.f, dkblk.data(), d);  // dph^T . q
+      for (int64_t r = 0; r < nb; ++r) {
+        float* dst = dk_b + ix[j0 + r] * d;
+        const float* src = dkblk.data() + r * d;
+        for (int64_t i = 0; i < d; ++i) dst[i] += src[i];
+      }
+    }
+  }
+  *value = total;
+}
+
+// (sum over queries of the KL, dq [b, s, H, d], dk [b, L, d], dw [b, s, H]) in fp32; the
+// gradients are empty tensors when want_grads is false.
+std::vector<at::Tensor> sparse_kl(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& w,
+                                  const at::Tensor& idx, const c10::optional<at::Tensor>& valid,
+                                  const at::Tensor& target, bool want_grads, int64_t block) {
+  TORCH_CHECK(q.dim() == 4 && keys.dim() == 3 && w.dim() == 3 && idx.dim() == 3, "indexer KL: q [b, s, H, d], "
+              "keys [b, L, d], w [b, s, H], idx [b, s, k]");
+  TORCH_CHECK(q.scalar_type() == at::kFloat && keys.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat &&
+                  target.scalar_type() == at::kFloat, "indexer KL (CPU kernel): fp32 inputs");
+  TORCH_CHECK(q.is_contiguous() && keys.is_contiguous() && w.is_contiguous() && idx.is_contiguous() &&
+                  target.is_contiguous() && target.sizes() == idx.sizes() && idx.scalar_type() == at::kLong &&
+                  keys.size(2) == q.size(3) && w.size(2) == q.size(2),
+              "indexer KL: contiguous inputs, target shaped like idx (int64), matching dims");
+  TORCH_CHECK(!valid || (valid->scalar_type() == at::kBool && valid->sizes() == idx.sizes()),
+              "indexer KL: valid must be a bool tensor shaped like idx");
+  const Dims z{q.size(0), q.size(1), q.size(2), q.size(3), 0, idx.size(2), keys.size(1), block};
+  const int64_t H = q.size(2);
+  auto valid_keep = valid ? valid->contiguous() : at::Tensor();
+  const bool* vd = valid ? valid_keep.data_ptr<bool>() : nullptr;
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), 8);
+  const auto edges = split(z.b * z.s, threads);
+  auto opts = q.options();
+  auto dq = want_grads ? at::empty_like(q) : at::empty({0}, opts);
+  auto dw = want_grads ? at::empty_like(w) : at::empty({0}, opts);
+  auto partial = want_grads ? at::zeros({threads, z.b, z.L, z.d}, opts) : at::empty({0}, opts);
+  std::vector<double> values(threads, 0.0);
+  on_threads(threads, [&](int64_t t) {
+    kl_queries(z, H, q.data_ptr<float>(), keys.data_ptr<float>(), w.data_ptr<float>(), idx.data_ptr<int64_t>(), vd,
+               target.data_ptr<float>(), want_grads, &values[t],
+               want_grads ? dq.data_ptr<float>() : nullptr,
+               want_grads ? partial.data_ptr<float>() + t * z.b * z.L * z.d : nullptr,
+               want_grads ? dw.data_ptr<float>() : nullptr, edges[t], edges[t + 1]);
+  });
+  double total = 0.0;
+  for (double v : values) total += v;
+  auto dk = want_grads ? (threads == 1 ? partial[0] : partial.sum(0)) : at::empty({0}, opts);
+  return {at::scalar_tensor(total, opts), dq, dk, dw};
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("forward", &forward, "sparse MLA forward (CPU)");
   m.def("backward", &backward, "sparse MLA backward (CPU)");
+  m.def("sparse_kl", &sparse_kl, "the indexer's sparse KL and its gradients (CPU)");
 }
