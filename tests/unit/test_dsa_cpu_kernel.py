@@ -10,7 +10,7 @@ import torch
 import model_providers.glm5.dsa.attention as attention
 from model_providers.glm5.dsa.kernels import sparse_mla_cpu as fused
 from model_providers.glm5.dsa.sparse_attention import SparseLatentAttention
-from tests.unit.test_dsa_layer import _layer
+from tests.unit.test_dsa_layer import outputs_per_kernel_choice
 
 N, D, DV = 4, 40, 32  # heads, latent + rope, latent (values)
 
@@ -65,21 +65,7 @@ def test_auto_runs_the_fused_cpu_kernel_in_the_layer(one_rank, monkeypatch):
     calls = []
     kernel = attention.sparse_mla_cpu
     monkeypatch.setattr(attention, "sparse_mla_cpu", lambda *a: calls.append(a[3]) or kernel(*a))
-    torch.manual_seed(0)
-    layers = {}
-    for choice in ("torch", "auto"):
-        layer = _layer("sparse", topk=6)
-        layer.core_attention.dsa.kernels = choice
-        layers[choice] = layer
-    layers["auto"].load_state_dict(layers["torch"].state_dict())
-    x = torch.randn(21, 2, 64)
-    docs = torch.tensor([[0] * 8 + [1] * 13, [0] * 15 + [1] * 6])
-    res = {}
-    for choice, layer in layers.items():
-        xi = x.clone().requires_grad_()
-        out, _ = layer(xi, attention_mask=docs)
-        out.square().sum().backward()
-        res[choice] = [out.detach(), xi.grad] + [p.grad for p in layer.parameters()]
+    res = outputs_per_kernel_choice(("torch", "auto"))
     assert len(calls) == 1 and calls[0] is not None  # packed documents hide keys: the mask is passed
     assert _worst(res["auto"], res["torch"]) <= 1e-5
 

@@ -2,7 +2,7 @@
 interpreter) equals the layer with the torch kernels, outputs and gradients, for packed documents;
 the top-k from the Triton indexer equals the torch one (bf16 and fp8, packed documents and
 context-parallel positions, on integer data whose logits both compute exactly, ties included);
-auto picks torch on the CPU; a value the run cannot honour is refused before any compute."""
+auto does not pick Triton on the CPU; a value the run cannot honour is refused before any compute."""
 
 import json
 import os
@@ -20,7 +20,7 @@ import model_providers.glm5.dsa.indexer as indexer
 import model_providers.glm5.dsa.kernels as kernels
 from parallel.config import ParallelConfig
 from parallel.initialize import initialize
-from tests.unit.test_dsa_layer import _layer
+from tests.unit.test_dsa_layer import outputs_per_kernel_choice
 from tests.unit.triton_interpreter import bf16_as_on_gpu
 
 bf16_as_on_gpu()
@@ -36,21 +36,7 @@ def counted(name, fn):
 
 attention.sparse_mla_triton = counted("attention", attention.sparse_mla_triton)
 kernels.index_logits_triton = counted("indexer", kernels.index_logits_triton)
-torch.manual_seed(0)
-layers = {}
-for choice in ("torch", "triton"):
-    layer = _layer("sparse", topk=6)
-    layer.core_attention.dsa.kernels = choice
-    layers[choice] = layer
-layers["triton"].load_state_dict(layers["torch"].state_dict())
-x = torch.randn(21, 2, 64)
-docs = torch.tensor([[0] * 8 + [1] * 13, [0] * 15 + [1] * 6])
-res = {}
-for choice, layer in layers.items():
-    xi = x.clone().requires_grad_()
-    out, _ = layer(xi, attention_mask=docs)
-    out.square().sum().backward()
-    res[choice] = [out.detach(), xi.grad] + [p.grad for p in layer.parameters()]
+res = outputs_per_kernel_choice(("torch", "triton"))
 from model_providers.glm5.dsa.layout import TokenLayout
 from parallel.context_parallel import zigzag_positions
 g = torch.Generator().manual_seed(0)
@@ -67,7 +53,7 @@ for dtype, d in (("bf16", 16), ("fp8", 128)):
         b = indexer.select_topk(q[:, 3:], k, w[:, 3:], 9, 5, dtype, 3, layout, triton=True)
         same_topk.append(bool(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])))
 worst = max(float(((a - b).abs() / (b.abs().max() + 1e-12)).max()) for a, b in zip(res["triton"], res["torch"]))
-print(json.dumps({"worst": worst, "calls": calls, "same_topk": same_topk, "auto_on_cpu": attention.use_triton_kernels("auto", x)}))
+print(json.dumps({"worst": worst, "calls": calls, "same_topk": same_topk, "auto_on_cpu": attention.use_triton_kernels("auto", torch.zeros(1))}))
 """
 
 

@@ -26,6 +26,28 @@ def _layer(mode, topk, **recompute):
     return build_module(_local_layer_spec(None, dsa).submodules.self_attention, config=cfg, layer_number=1)
 
 
+def outputs_per_kernel_choice(choices, topk=6):
+    """{choice: [output, input grad, parameter grads...]} of the sparse layer under each
+    ``model.dsa.kernels`` choice, one set of weights, two rows of two packed documents each."""
+    torch.manual_seed(0)
+    layers = {}
+    for choice in choices:
+        layer = _layer("sparse", topk=topk)
+        layer.core_attention.dsa.kernels = choice
+        layers[choice] = layer
+    for layer in layers.values():
+        layer.load_state_dict(layers[choices[0]].state_dict())
+    x = torch.randn(21, 2, 64)
+    docs = torch.tensor([[0] * 8 + [1] * 13, [0] * 15 + [1] * 6])
+    res = {}
+    for choice, layer in layers.items():
+        xi = x.clone().requires_grad_()
+        out, _ = layer(xi, attention_mask=docs)
+        out.square().sum().backward()
+        res[choice] = [out.detach(), xi.grad] + [p.grad for p in layer.parameters()]
+    return res
+
+
 def test_sparse_layer_equals_masked_per_head_reference(one_rank):
     torch.manual_seed(0)
     layer = _layer("sparse", topk=10)
