@@ -15,8 +15,10 @@ COMMON = ["trainer.steps=2", "trainer.seq_length=64", "trainer.global_batch_size
 MODES = {
     "dense": [],
     "warmup": ["model.dsa.mode=warmup"],
+    # kernels=torch: the strict run's tensors are on the tracked device, where auto picks the
+    # torch path (a GPU's kernels, not the fused CPU one); the plain run must take the same path
     "sparse_fp8_indexer": ["model.dsa.mode=sparse", "model.dsa.indexer_dtype=fp8",
-                           "model.dsa.index_head_dim=128"],
+                           "model.dsa.index_head_dim=128", "model.dsa.kernels=torch"],
 }
 
 
