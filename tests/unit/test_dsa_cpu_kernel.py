@@ -138,3 +138,23 @@ def test_fused_indexer_kl_has_no_bias_near_convergence():
     for fused in (False, True):
         got = sparse_kl(iq, ik, iw, idx, valid, target, chunk=8, fused=fused)
         assert abs(float(got) / float(want) - 1) < 5e-4, (fused, float(got), float(want))
+
+
+@pytest.mark.parametrize("k", [1, 7, 300, 1000, 1001])
+def test_fused_topk_equals_torch_topk(k):
+    """The radix-select top-k picks what ``topk_indices`` picks, in the same (ascending) order:
+    ties (many: scores from 40 values) lowest position first, -inf, NaN as -inf, -0.0 tying
+    +0.0, rows that are all one value, k = L."""
+    from model_providers.glm5.dsa.topk import topk_indices
+
+    g = torch.Generator().manual_seed(k)
+    scores = torch.randint(-20, 20, (2, 5, 1001), generator=g).float() / 4
+    scores[0, 0] = torch.randn(1001, generator=g) * 1e3  # distinct values over a wide range
+    scores[0, 1, ::3] = float("-inf")
+    scores[0, 2, ::5] = float("nan")
+    scores[0, 3] = torch.where(torch.rand(1001, generator=g) < 0.5, -0.0, 0.0)
+    scores[1, 0] = float("-inf")
+    scores[1, 1] = 7.0
+    got, want = topk_indices(scores, k, fused=True), topk_indices(scores, k)
+    assert got.dtype == torch.int64 and got.shape == (2, 5, k)
+    assert torch.equal(got, want)

@@ -54,12 +54,13 @@ def test_topk_identical_across_runs_and_chunk_sizes():
     assert bool((ref_valid.sum(-1)[0, :kk] == torch.arange(1, kk + 1)).all())
 
 
-def test_topk_breaks_ties_by_position():
+@pytest.mark.parametrize("fused", [False, True])
+def test_topk_breaks_ties_by_position(fused):
     scores = torch.tensor([[0.0, 5.0, 1.0, 1.0, 1.0, 1.0, float("-inf"), float("-inf")]])
-    assert topk_indices(scores, 3).tolist() == [[1, 2, 3]]
-    assert topk_indices(scores, 7).tolist() == [[0, 1, 2, 3, 4, 5, 6]]
+    assert topk_indices(scores, 3, fused).tolist() == [[1, 2, 3]]
+    assert topk_indices(scores, 7, fused).tolist() == [[0, 1, 2, 3, 4, 5, 6]]
     zeros = torch.zeros(2, 9)
-    assert topk_indices(zeros, 4).tolist() == [[0, 1, 2, 3]] * 2
+    assert topk_indices(zeros, 4, fused).tolist() == [[0, 1, 2, 3]] * 2
 
 
 @pytest.mark.parametrize("interleaved", [True, False])

@@ -240,15 +240,15 @@ class DSACoreAttention(MegatronModule):
         nope, rope, dv = cfg.qk_head_dim, cfg.qk_pos_emb_head_dim, cfg.v_head_dim
         s, b, n, _ = query.shape
         triton = use_triton_kernels(self.dsa.kernels, query)
+        fused = not triton and use_cpu_kernel(self.dsa.kernels, query)
         idx, valid = select_topk(iq[:, first:].detach(), ik.detach(), iw[:, first:].detach(),
                                  self.dsa.topk, self.dsa.query_chunk, self.dsa.indexer_dtype,
-                                 first, layout, triton)
+                                 first, layout, triton, fused)
         w = mla.kv_up_weight.view(n, nope + dv, cfg.kv_lora_rank)
         w_uk, w_uv = w[:, :nope], w[:, nope:]
         q_nope, q_pe = query[first:].split([nope, rope], dim=-1)
         q_abs = torch.cat([torch.einsum("sbnd,ndc->bsnc", q_nope, w_uk),
                            q_pe.transpose(0, 1)], dim=-1)
-        fused = not triton and use_cpu_kernel(self.dsa.kernels, q_abs)
         c = mla.kv_full
         if c is None:
             c = _full_sequence(mla.kv_latent, cfg.sequence_parallel)

@@ -112,7 +112,7 @@ def causal_mask(q_offset: int, c: int, length: int, device) -> torch.Tensor:
 
 @torch.no_grad()
 def select_topk(q, k, w, topk: int, chunk: int, dtype: str = "fp32", first: int = 0, layout=None,
-                triton: bool = False):
+                triton: bool = False, fused: bool = False):
     """Deterministic top-k keys for query rows ``first .. first + q.shape[1] - 1``: idx
     [b, s, k'] int64 and valid [b, s, k'] (k' = min(topk, L); invalid entries are keys the
     query may not see, picked only because it sees fewer than k' keys). ``layout``
@@ -122,7 +122,8 @@ def select_topk(q, k, w, topk: int, chunk: int, dtype: str = "fp32", first: int 
     Causal-aware: a chunk of rows is scored only against the keys its last row can see (at
     least k' of them, so the picks are those of the full row: the hidden keys rank -inf, lowest
     position first). fp8 keys are quantised once for all chunks. ``triton``: bf16/fp8 logits
-    from the Triton kernel (:func:`~.kernels.index_logits_triton`; fp32 stays torch)."""
+    from the Triton kernel (:func:`~.kernels.index_logits_triton`; fp32 stays torch); ``fused``:
+    the top-k from the fused CPU kernel."""
     b, s = q.shape[:2]
     length = k.shape[1]
     kk = min(topk, length)
@@ -154,5 +155,5 @@ def select_topk(q, k, w, topk: int, chunk: int, dtype: str = "fp32", first: int 
         n = min(length, max(kk, layout.keys_seen(first + lo, first + hi)))
         logits = score(q[:, lo:hi], w[:, lo:hi], n, lo)
         logits.masked_fill_(layout.hidden(first + lo, first + hi, n), float("-inf"))
-        idx[:, lo:hi] = topk_indices(logits, kk)
+        idx[:, lo:hi] = topk_indices(logits, kk, fused)
     return idx, layout.valid(idx, first)

@@ -319,7 +319,7 @@ void kl_queries(const Dims& z, int64_t heads, const float* q, const float* keys,
                 const int64_t* idx, const bool* valid, const float* target, bool want_grads, double* value,
                 float* dq, float* dk, float* dw, int64_t begin, int64_t end) {
   const int64_t H = heads, d = z.d, k = z.k, B = z.block;
-  std::vector<float> buf(B * d), ph(H * k), logits(k), dlog(k), dkblk(B * d);
+  std::vector<float> buf(B * d), ph(H * k), logits(k), dlog(k);
   double total = 0.0;
   for (int64_t t = begin; t < end; ++t) {
     const int64_t bi = t / z.s;
@@ -376,11 +376,14 @@ void kl_queries(const Dims& z, int64_t heads, const float* q, const float* keys,
       const int64_t nb = std::min(B, k - j0);
       gather_rows(buf.data(), keys_b, ix + j0, nb, d, z.L);
       gemm(Op::N, Op::N, d, H, nb, 1.f, buf.data(), d, ph.data() + j0, k, 1.f, dqt, d);  // dq += dph . K
-      gemm(Op::N, Op::T, d, nb, H, 1.f, qt, d, ph.data() + j0, k, 0.f, dkblk.data(), d);  // dph^T . q
-      for (int64_t r = 0; r < nb; ++r) {
+      for (int64_t r = 0; r < nb; ++r) {  // dk row += sum_h dph[h, r] q_h: the row stays in L1
         float* dst = dk_b + ix[j0 + r] * d;
-        const float* src = dkblk.data() + r * d;
-        for (int64_t i = 0; i < d; ++i) dst[i] += src[i];
+        for (int64_t h = 0; h < H; ++h) {
+          const float c = ph[h * k + j0 + r];
+          if (c == 0.f) continue;  // ReLU-inactive head or hidden key
+          const float* qh = qt + h * d;
+          for (int64_t i = 0; i < d; ++i) dst[i] += c * qh[i];
+        }
       }
     }
   }
@@ -426,10 +429,74 @@ std::vector<at::Tensor> sparse_kl(const at::Tensor& q, const at::Tensor& keys, c
   return {at::scalar_tensor(total, opts), dq, dk, dw};
 }
 
+// ---- The indexer's deterministic top-k (dsa/topk.py's rule) per row, by radix select: ----
+// scores -> unsigned keys of the same order (NaN as -inf, -0.0 as +0.0); the k-th largest key by
+// 11/11/10-bit histograms (the first over the row, the others over the candidates left); then
+// one pass in position order takes every key above it and the first ties, so the indices come
+// out ascending and equal scores go lowest position first.
+inline uint32_t order_key(float x) {
+  if (std::isnan(x)) x = -std::numeric_limits<float>::infinity();
+  if (x == 0.f) x = 0.f;  // -0.0 ties +0.0
+  uint32_t u;
+  std::memcpy(&u, &x, sizeof(u));
+  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+// The k-th largest of keys[0..n) (1 <= k <= n); keys is reordered.
+uint32_t kth_largest(std::vector<uint32_t>& keys, int64_t n, int64_t k) {
+  uint32_t prefix = 0, prefix_mask = 0;
+  std::vector<int64_t> hist;
+  for (int shift : {21, 10, 0}) {
+    const int bits = shift == 0 ? 10 : 11;
+    hist.assign(int64_t{1} << bits, 0);
+    const uint32_t digit_mask = (1u << bits) - 1;
+    for (int64_t i = 0; i < n; ++i) ++hist[(keys[i] >> shift) & digit_mask];
+    int64_t digit = digit_mask, above = 0;
+    while (above + hist[digit] < k) above += hist[digit--];
+    k -= above;  // rank within the chosen bucket
+    prefix |= static_cast<uint32_t>(digit) << shift;
+    prefix_mask |= digit_mask << shift;
+    int64_t m = 0;  // keep the bucket's keys only
+    for (int64_t i = 0; i < n; ++i)
+      if ((keys[i] & prefix_mask) == prefix) keys[m++] = keys[i];
+    n = m;
+  }
+  return prefix;
+}
+
+at::Tensor topk(const at::Tensor& scores, int64_t k) {
+  TORCH_CHECK(scores.dim() >= 1 && scores.scalar_type() == at::kFloat && scores.is_contiguous(),
+              "top-k (CPU kernel): contiguous fp32 scores [..., L]");
+  const int64_t n = scores.size(-1), rows = n ? scores.numel() / n : 0;
+  TORCH_CHECK(k >= 1 && k <= n, "top-k: k = ", k, " outside [1, ", n, "]");
+  auto sizes = scores.sizes().vec();
+  sizes.back() = k;
+  auto idx = at::empty(sizes, scores.options().dtype(at::kLong));
+  const float* src = scores.data_ptr<float>();
+  int64_t* dst = idx.data_ptr<int64_t>();
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), std::max<int64_t>(rows, 1));
+  const auto edges = split(rows, threads);
+  on_threads(threads, [&](int64_t t) {
+    std::vector<uint32_t> keys(n), scratch(n);
+    for (int64_t r = edges[t]; r < edges[t + 1]; ++r) {
+      const float* row = src + r * n;
+      for (int64_t i = 0; i < n; ++i) keys[i] = scratch[i] = order_key(row[i]);
+      const uint32_t kth = kth_largest(scratch, n, k);
+      int64_t ties = k;  // keys equal to the k-th largest still to take
+      for (int64_t i = 0; i < n; ++i) ties -= keys[i] > kth;
+      int64_t* out = dst + r * k;
+      for (int64_t i = 0; i < n; ++i)
+        if (keys[i] > kth || (keys[i] == kth && ties-- > 0)) *out++ = i;
+    }
+  });
+  return idx;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("forward", &forward, "sparse MLA forward (CPU)");
   m.def("backward", &backward, "sparse MLA backward (CPU)");
   m.def("sparse_kl", &sparse_kl, "the indexer's sparse KL and its gradients (CPU)");
+  m.def("topk", &topk, "deterministic top-k indices per row, ascending (CPU)");
 }
