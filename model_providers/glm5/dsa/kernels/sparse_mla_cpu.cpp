@@ -263,6 +263,26 @@ std::vector<int64_t> split(int64_t total, int64_t parts) {
   return edges;
 }
 
+// The valid mask's data (nullptr: every key visible); `keep` holds a contiguous copy if needed.
+const bool* valid_data(const c10::optional<at::Tensor>& valid, at::Tensor& keep) {
+  if (!valid) return nullptr;
+  keep = valid->contiguous();
+  return keep.data_ptr<bool>();
+}
+
+// Gradient rows added by several threads: one zeroed fp32 [b, L, d] buffer per thread (at most 8,
+// so the memory stays bounded on big hosts), summed in thread order afterwards (deterministic for
+// a given thread count).
+struct PerThreadRows {
+  int64_t threads, size;
+  at::Tensor buffers;
+  PerThreadRows(int64_t b, int64_t L, int64_t d, const at::TensorOptions& opts)
+      : threads(std::min<int64_t>(at::get_num_threads(), 8)), size(b * L * d),
+        buffers(at::zeros({threads, b, L, d}, opts.dtype(at::kFloat))) {}
+  float* of(int64_t t) { return buffers.data_ptr<float>() + t * size; }
+  at::Tensor sum() const { return threads == 1 ? buffers[0] : buffers.sum(0); }
+};
+
 std::vector<at::Tensor> forward(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& idx,
                                 const c10::optional<at::Tensor>& valid, double scale, int64_t dv, int64_t block) {
   const Dims z = dims_of(q, kv, idx, valid, dv, block);
@@ -271,8 +291,8 @@ std::vector<at::Tensor> forward(const at::Tensor& q, const at::Tensor& kv, const
   auto out = at::empty({z.n, z.b, z.s, dv}, q.options());
   auto lse = at::empty({z.b, z.s, z.n}, q.options().dtype(at::kFloat));
   auto head_probs = at::empty({z.b, z.s, z.k}, q.options().dtype(at::kFloat));
-  auto valid_keep = valid ? valid->contiguous() : at::Tensor();
-  const bool* vd = valid ? valid_keep.data_ptr<bool>() : nullptr;
+  at::Tensor valid_keep;
+  const bool* vd = valid_data(valid, valid_keep);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "sparse_mla_cpu_forward", [&] {
     const int64_t threads = at::get_num_threads();
     const auto edges = split(z.b * z.s, threads);
@@ -290,24 +310,20 @@ std::vector<at::Tensor> backward(const at::Tensor& q, const at::Tensor& kv, cons
                                  const at::Tensor& grad_out, const at::Tensor& out, const at::Tensor& lse) {
   const Dims z = dims_of(q, kv, idx, valid, dv, block);
   auto grad_q = at::empty_like(q);
-  auto valid_keep = valid ? valid->contiguous() : at::Tensor();
-  const bool* vd = valid ? valid_keep.data_ptr<bool>() : nullptr;
-  // one fp32 kv-gradient buffer per thread: at most 8, so the memory stays bounded on big hosts
-  const int64_t threads = std::min<int64_t>(at::get_num_threads(), 8);
-  const auto edges = split(z.b * z.s, threads);
-  auto partial = at::zeros({threads, z.b, z.L, z.d}, q.options().dtype(at::kFloat));
+  at::Tensor valid_keep;
+  const bool* vd = valid_data(valid, valid_keep);
+  PerThreadRows grad_kv(z.b, z.L, z.d, q.options());
+  const auto edges = split(z.b * z.s, grad_kv.threads);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "sparse_mla_cpu_backward", [&] {
-    float* partial_data = partial.data_ptr<float>();
     const auto go = Rows<scalar_t>::of(grad_out), o = Rows<scalar_t>::of(out);
-    on_threads(threads, [&](int64_t t) {
+    on_threads(grad_kv.threads, [&](int64_t t) {
       backward_queries<scalar_t>(z, q.data_ptr<scalar_t>(), kv.data_ptr<scalar_t>(), idx.data_ptr<int64_t>(), vd,
                                  static_cast<float>(scale), go, o,
                                  lse.data_ptr<float>(), grad_q.data_ptr<scalar_t>(),
-                                 partial_data + t * z.b * z.L * z.d, edges[t], edges[t + 1]);
+                                 grad_kv.of(t), edges[t], edges[t + 1]);
     });
   });
-  auto grad_kv = threads == 1 ? partial[0] : partial.sum(0);
-  return {grad_q, grad_kv.to(kv.scalar_type())};
+  return {grad_q, grad_kv.sum().to(kv.scalar_type())};
 }
 
 // ---- The indexer's sparse KL (dsa/kl.py, sparse form) with its gradients, per query: ----
@@ -343,9 +359,9 @@ void kl_queries(const Dims& z, int64_t heads, const float* q, const float* keys,
         logits[j] += wh * r[j];
       }
     }
-    float m = -std::numeric_limits<float>::infinity();
+    float m = kNegInf;
     for (int64_t j = 0; j < k; ++j) {
-      if (vd && !vd[j]) logits[j] = -std::numeric_limits<float>::infinity();
+      if (vd && !vd[j]) logits[j] = kNegInf;
       m = std::max(m, logits[j]);
     }
     double sum = 0.0;  // a float running sum of thousands of terms is off by ~1e-7 relative
@@ -407,26 +423,23 @@ std::vector<at::Tensor> sparse_kl(const at::Tensor& q, const at::Tensor& keys, c
               "indexer KL: valid must be a bool tensor shaped like idx");
   const Dims z{q.size(0), q.size(1), q.size(2), q.size(3), 0, idx.size(2), keys.size(1), block};
   const int64_t H = q.size(2);
-  auto valid_keep = valid ? valid->contiguous() : at::Tensor();
-  const bool* vd = valid ? valid_keep.data_ptr<bool>() : nullptr;
-  const int64_t threads = std::min<int64_t>(at::get_num_threads(), 8);
-  const auto edges = split(z.b * z.s, threads);
+  at::Tensor valid_keep;
+  const bool* vd = valid_data(valid, valid_keep);
   auto opts = q.options();
   auto dq = want_grads ? at::empty_like(q) : at::empty({0}, opts);
   auto dw = want_grads ? at::empty_like(w) : at::empty({0}, opts);
-  auto partial = want_grads ? at::zeros({threads, z.b, z.L, z.d}, opts) : at::empty({0}, opts);
-  std::vector<double> values(threads, 0.0);
-  on_threads(threads, [&](int64_t t) {
+  PerThreadRows dk(z.b, want_grads ? z.L : 0, z.d, opts);  // no rows without gradients
+  const auto edges = split(z.b * z.s, dk.threads);
+  std::vector<double> values(dk.threads, 0.0);
+  on_threads(dk.threads, [&](int64_t t) {
     kl_queries(z, H, q.data_ptr<float>(), keys.data_ptr<float>(), w.data_ptr<float>(), idx.data_ptr<int64_t>(), vd,
-               target.data_ptr<float>(), want_grads, &values[t],
-               want_grads ? dq.data_ptr<float>() : nullptr,
-               want_grads ? partial.data_ptr<float>() + t * z.b * z.L * z.d : nullptr,
-               want_grads ? dw.data_ptr<float>() : nullptr, edges[t], edges[t + 1]);
+               target.data_ptr<float>(), want_grads, &values[t], want_grads ? dq.data_ptr<float>() : nullptr,
+               want_grads ? dk.of(t) : nullptr, want_grads ? dw.data_ptr<float>() : nullptr, edges[t],
+               edges[t + 1]);
   });
   double total = 0.0;
   for (double v : values) total += v;
-  auto dk = want_grads ? (threads == 1 ? partial[0] : partial.sum(0)) : at::empty({0}, opts);
-  return {at::scalar_tensor(total, opts), dq, dk, dw};
+  return {at::scalar_tensor(total, opts), dq, dk.sum(), dw};
 }
 
 // ---- The indexer's deterministic top-k (dsa/topk.py's rule) per row, by radix select: ----
@@ -435,7 +448,7 @@ std::vector<at::Tensor> sparse_kl(const at::Tensor& q, const at::Tensor& keys, c
 // one pass in position order takes every key above it and the first ties, so the indices come
 // out ascending and equal scores go lowest position first.
 inline uint32_t order_key(float x) {
-  if (std::isnan(x)) x = -std::numeric_limits<float>::infinity();
+  if (std::isnan(x)) x = kNegInf;
   if (x == 0.f) x = 0.f;  // -0.0 ties +0.0
   uint32_t u;
   std::memcpy(&u, &x, sizeof(u));
