@@ -50,6 +50,11 @@ def _common(ckpt, run_dir):
     return [f"trainer.run_dir={run_dir}", f"trainer.steps={STEPS}", f"trainer.seq_length={SEQ}",
             "trainer.global_batch_size=1", "trainer.micro_batch_size=1", MODEL, "model.dsa.query_chunk=256",
             "model.dsa.topk=128",
+            # the CP runs are on the strict emulation's tracked device, where DSA takes the torch
+            # path: so does the one-rank reference, and the comparison is about CP alone (the
+            # fused CPU kernel against the torch path: tests/unit/test_dsa_cpu_kernel.py); top-k's
+            # near-tie flips amplified the kernels' last-bit differences past the tolerances
+            "model.dsa.kernels=torch",
             f"checkpoint.init_from={ckpt}", "checkpoint.save_at_end=false"]
 
 
