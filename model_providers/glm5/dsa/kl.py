@@ -73,16 +73,23 @@ def _grad_buffers(q, k, w, want: bool):
 
 @torch.no_grad()
 def dense_attention_target(query_sbnd, key_bnld, scale: float, lo: int, hi: int, hidden,
-                           tp_group=None, buffer=None):
+                           tp_group=None, buffer=None, first_hidden: int = 0):
     """Head-summed, normalised attention probabilities of query rows lo..hi-1 over the keys
     of ``key_bnld`` ([b, n, keys, D] fp32) with ``hidden`` [b or 1, c, keys] masked: [b, c, keys].
-    ``buffer``: fp32 storage of at least b * n * c * keys elements for the scores (reused)."""
+    ``buffer``: fp32 storage of at least b * n * c * keys elements for the scores (reused).
+    ``first_hidden``: no key before it is hidden from any row (known on the host: the causal
+    mask of a chunk without documents hides only keys after its first row), so the mask is
+    applied from there on (the scores are n * c * keys elements, out of cache at long context:
+    a pass over them costs as much as a quarter of their GEMM)."""
     q = query_sbnd[lo:hi].permute(1, 2, 0, 3).float().mul(scale)  # [b, n, c, D]
     b, n, c = q.shape[:3]
     shape = (b, n, c, key_bnld.shape[2])
     out = None if buffer is None else buffer[:b * n * c * shape[3]].view(shape)
     scores = torch.matmul(q, key_bnld.transpose(-1, -2), out=out)
-    scores.masked_fill_(hidden[:, None], float("-inf"))
+    if first_hidden < shape[3]:
+        scores[..., first_hidden:].masked_fill_(hidden[:, None, :, first_hidden:], float("-inf"))
+    # not torch.softmax: its CPU kernel's faster exp is biased by ~1e-7 per term, which the
+    # KL near convergence (a difference of terms of ~1e-2) turns into ~1e-4 of its value
     scores.sub_(scores.amax(dim=-1, keepdim=True)).exp_()  # softmax in place
     probs = scores.div_(scores.sum(dim=-1, keepdim=True)).sum(dim=1)  # [b, c, keys]
     if tp_group is not None and torch.distributed.get_world_size(tp_group) > 1:
@@ -114,7 +121,8 @@ def dense_kl(iq, ik, iw, query_sbnd, key_sbnd, scale: float, chunk: int, tp_grou
             hidden = (causal_mask(lo, c, n, iq.device)[None] if layout is None
                       else layout.hidden(lo, hi, n))
             target = dense_attention_target(query_sbnd.detach(), keys_all[:, :, :n], scale, lo,
-                                            hi, hidden, tp_group, scores_buf)
+                                            hi, hidden, tp_group, scores_buf,
+                                            _first_hidden(layout, lo))
             q_c = iq[:, lo:hi].detach().float().reshape(b, c * heads, d)
             per_head = torch.bmm(q_c, k[:, :n].transpose(1, 2),
                                  out=per_head_buf[:b * c * heads * n].view(b, c * heads, n))
@@ -131,6 +139,16 @@ def dense_kl(iq, ik, iw, query_sbnd, key_sbnd, scale: float, chunk: int, tp_grou
         return _mean(total, (dq, dk, dw), b * s, want_grads)
 
     return _KLWithEagerGradients.apply(run, iq, ik, iw)
+
+
+def _first_hidden(layout, lo: int) -> int:
+    """The first key that may be hidden from a row of the chunk starting at row ``lo``: the key
+    after that row's position without documents (later rows see more), 0 with them."""
+    if layout is None:
+        return lo + 1
+    if layout.doc_q is not None or layout.q_pos_host is None:
+        return 0
+    return int(layout.q_pos_host[lo]) + 1
 
 
 def sparse_kl(iq, ik, iw, idx, valid, head_probs, chunk: int, tp_group=None, fused: bool = False):

@@ -75,9 +75,26 @@ inline void store_row(T* dst, const float* src, int64_t d, float scale) {
   for (int64_t i = 0; i < d; ++i) dst[i] = static_cast<T>(src[i] * scale);
 }
 
+// Rows are picked at random positions of a sequence that outgrows the caches at long context: a
+// row's first cache lines miss before the hardware prefetcher sees its stream. Loops over
+// selected rows ask for the row kPrefetchRows ahead (measured: 4 to 16 all help, 8 most).
+constexpr int64_t kPrefetchRows = 8;
+
 template <typename T>
-inline void gather_rows(float* buf, const T* kv, const int64_t* idx, int64_t rows, int64_t d, int64_t L) {
+inline void prefetch_row(const T* row, int64_t d, bool for_write = false) {
+  const char* p = reinterpret_cast<const char*>(row);
+  for (int64_t c = 0; c < d * static_cast<int64_t>(sizeof(T)); c += 64)
+    for_write ? __builtin_prefetch(p + c, 1) : __builtin_prefetch(p + c, 0);
+}
+
+// Rows idx[0..rows) of kv [L, d]; rows up to idx[ahead) are asked for kPrefetchRows ahead (the next
+// key block's first rows while this block's last ones are copied).
+template <typename T>
+inline void gather_rows(float* buf, const T* kv, const int64_t* idx, int64_t rows, int64_t ahead, int64_t d,
+                        int64_t L) {
   for (int64_t r = 0; r < rows; ++r) {
+    const int64_t next = r + kPrefetchRows;
+    if (next < ahead && idx[next] >= 0 && idx[next] < L) prefetch_row(kv + idx[next] * d, d);
     TORCH_CHECK(idx[r] >= 0 && idx[r] < L, "sparse MLA: key index ", idx[r], " outside [0, ", L, ")");
     load_row(buf + r * d, kv + idx[r] * d, d);
   }
@@ -118,7 +135,7 @@ void forward_queries(const Dims& z, const T* q, const T* kv, const int64_t* idx,
     std::fill(l.begin(), l.end(), 0.f);
     for (int64_t j0 = 0; j0 < k; j0 += B) {
       const int64_t nb = std::min(B, k - j0);
-      gather_rows(buf.data(), kv_b, ix + j0, nb, d, z.L);
+      gather_rows(buf.data(), kv_b, ix + j0, nb, k - j0, d, z.L);
       // scores[:, j0:j0+nb] = qs [n, d] . buf[nb, d]^T
       gemm(Op::T, Op::N, nb, n, d, 1.f, buf.data(), d,
            qs.data(), d, 0.f, scores.data() + j0, k);
@@ -193,7 +210,7 @@ void backward_queries(const Dims& z, const T* q, const T* kv, const int64_t* idx
     std::fill(dq.begin(), dq.end(), 0.f);
     for (int64_t j0 = 0; j0 < k; j0 += B) {
       const int64_t nb = std::min(B, k - j0);
-      gather_rows(buf.data(), kv_b, ix + j0, nb, d, z.L);
+      gather_rows(buf.data(), kv_b, ix + j0, nb, k - j0, d, z.L);
       gemm(Op::T, Op::N, nb, 2 * n, d, 1.f, buf.data(), d,
            a.data(), d, 0.f, tb.data(), B);
       for (int64_t h = 0; h < n; ++h) {
@@ -213,6 +230,7 @@ void backward_queries(const Dims& z, const T* q, const T* kv, const int64_t* idx
       gemm(Op::N, Op::T, d, nb, 2 * n, 1.f, a.data(), d,
            tb.data(), B, 0.f, dkv.data(), d);
       for (int64_t r = 0; r < nb; ++r) {
+        if (r + kPrefetchRows < nb) prefetch_row(gkv_b + ix[j0 + r + kPrefetchRows] * d, d, true);
         float* dst = gkv_b + ix[j0 + r] * d;
         const float* src = dkv.data() + r * d;
         for (int64_t i = 0; i < d; ++i) dst[i] += src[i];
@@ -347,7 +365,7 @@ void kl_queries(const Dims& z, int64_t heads, const float* q, const float* keys,
     const float* tt = target + t * k;
     for (int64_t j0 = 0; j0 < k; j0 += B) {  // per-head scores [H, k], then ReLU and the logits
       const int64_t nb = std::min(B, k - j0);
-      gather_rows(buf.data(), keys_b, ix + j0, nb, d, z.L);
+      gather_rows(buf.data(), keys_b, ix + j0, nb, k - j0, d, z.L);
       gemm(Op::T, Op::N, nb, H, d, 1.f, buf.data(), d, qt, d, 0.f, ph.data() + j0, k);
     }
     std::fill(logits.begin(), logits.end(), 0.f);
@@ -390,7 +408,7 @@ void kl_queries(const Dims& z, int64_t heads, const float* q, const float* keys,
     float* dk_b = dk + bi * z.L * d;
     for (int64_t j0 = 0; j0 < k; j0 += B) {
       const int64_t nb = std::min(B, k - j0);
-      gather_rows(buf.data(), keys_b, ix + j0, nb, d, z.L);
+      gather_rows(buf.data(), keys_b, ix + j0, nb, k - j0, d, z.L);
       gemm(Op::N, Op::N, d, H, nb, 1.f, buf.data(), d, ph.data() + j0, k, 1.f, dqt, d);  // dq += dph . K
       for (int64_t r = 0; r < nb; ++r) {  // dk row += sum_h dph[h, r] q_h: the row stays in L1
         float* dst = dk_b + ix[j0 + r] * d;
