@@ -111,6 +111,36 @@ def test_fused_indexer_kl_equals_torch_path(hidden, monkeypatch):
     assert _worst(res[True], res[False]) <= 2e-6, _worst(res[True], res[False])
 
 
+@pytest.mark.parametrize("layout_kind", ["causal", "documents", "cp_positions"])
+def test_fused_dense_kl_equals_torch_path(layout_kind):
+    """The dense KL (warm-up, and the dense prefix of sparse mode) with the fused CPU kernel
+    doing the target's masked softmax and head sum and the KL's row work: value and gradients
+    to the indexer's q, k and weights equal the torch path's, for plain causal rows (masked from
+    the chunk's first row on only), packed documents with different boundaries per sample
+    (b = 2), and CP-style non-contiguous query positions; chunks that do not divide the rows."""
+    from model_providers.glm5.dsa.kl import dense_kl
+    from model_providers.glm5.dsa.layout import TokenLayout
+
+    g = torch.Generator().manual_seed(7)
+    b, L, n, D, h, d = 2, 29, 3, 10, 2, 8
+    docs = torch.tensor([[0] * 9 + [1] * 12 + [2] * 8, [0] * 4 + [1] * 25])
+    q_pos = torch.tensor([0, 1, 2, 3, 4, 5, 6, 22, 23, 24, 25, 26, 27, 28])
+    layout = {"causal": None, "documents": TokenLayout.build(L, L, docs),
+              "cp_positions": TokenLayout.build(len(q_pos), L, None, q_pos)}[layout_kind]
+    s = L if layout_kind != "cp_positions" else len(q_pos)
+    query, key = torch.randn(s, b, n, D, generator=g), torch.randn(L, b, n, D, generator=g)
+    iq, ik, iw = (torch.randn(b, s, h, d, generator=g), torch.randn(b, L, d, generator=g),
+                  torch.rand(b, s, h, generator=g))
+    res = {}
+    for choice in (False, True):
+        leaves = [t.clone().requires_grad_() for t in (iq, ik, iw)]
+        value = dense_kl(*leaves, query, key, 0.3, chunk=5, layout=layout, fused=choice)
+        value.backward()
+        res[choice] = [value.detach()] + [t.grad for t in leaves]
+    assert res[False][0] > 0.1
+    assert _worst(res[True], res[False]) <= 2e-6, _worst(res[True], res[False])
+
+
 def _kl_in_fp64(iq, ik, iw, idx, target):
     q, k, w = iq.double(), ik.double(), iw.double()
     sel = torch.stack([k[i][idx[i]] for i in range(k.shape[0])])  # [b, s, k, d]

@@ -178,7 +178,7 @@ class DSACoreAttention(MegatronModule):
         if mode == "warmup":
             out = self._dense(query, key, value, layout)
             kl = dense_kl(iq, ik, iw, query, key, self.softmax_scale, self.dsa.query_chunk,
-                          tp_group, layout)
+                          tp_group, layout, use_cpu_kernel(self.dsa.kernels, query))
         else:
             out, kl = self._sparse(query, key, value, mla, iq, ik, iw, tp_group, layout)
         # kl is this rank's per-query mean; CP ranks hold equally many queries, so the mean over
@@ -224,7 +224,8 @@ class DSACoreAttention(MegatronModule):
             head = layout.rows(0, prefix, kp)
             outs.append(self._dense(query[:prefix], key[:kp], value[:kp], head))
             kl = dense_kl(iq[:, :prefix], ik[:, :kp], iw[:, :prefix], query[:prefix], key[:kp],
-                          self.softmax_scale, chunk, tp_group, head) * prefix
+                          self.softmax_scale, chunk, tp_group, head,
+                          use_cpu_kernel(self.dsa.kernels, query)) * prefix
         if prefix < s:
             rest_out, rest_kl = self._sparse_rest(query, key, mla, iq, ik, iw, prefix, tp_group,
                                                   layout)

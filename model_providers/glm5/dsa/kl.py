@@ -73,36 +73,46 @@ def _grad_buffers(q, k, w, want: bool):
 
 @torch.no_grad()
 def dense_attention_target(query_sbnd, key_bnld, scale: float, lo: int, hi: int, hidden,
-                           tp_group=None, buffer=None, first_hidden: int = 0):
+                           tp_group=None, buffer=None, first_hidden: int = 0, fused: bool = False):
     """Head-summed, normalised attention probabilities of query rows lo..hi-1 over the keys
     of ``key_bnld`` ([b, n, keys, D] fp32) with ``hidden`` [b or 1, c, keys] masked: [b, c, keys].
     ``buffer``: fp32 storage of at least b * n * c * keys elements for the scores (reused).
     ``first_hidden``: no key before it is hidden from any row (known on the host: the causal
     mask of a chunk without documents hides only keys after its first row), so the mask is
     applied from there on (the scores are n * c * keys elements, out of cache at long context:
-    a pass over them costs as much as a quarter of their GEMM)."""
+    a pass over them costs as much as a quarter of their GEMM). ``fused``: the CPU kernel does
+    everything after the GEMM in one pass, a row at a time."""
     q = query_sbnd[lo:hi].permute(1, 2, 0, 3).float().mul(scale)  # [b, n, c, D]
     b, n, c = q.shape[:3]
     shape = (b, n, c, key_bnld.shape[2])
     out = None if buffer is None else buffer[:b * n * c * shape[3]].view(shape)
     scores = torch.matmul(q, key_bnld.transpose(-1, -2), out=out)
+    if fused:
+        return _normalised(cpu_kernel().attention_target(scores, hidden, first_hidden), tp_group)
     if first_hidden < shape[3]:
         scores[..., first_hidden:].masked_fill_(hidden[:, None, :, first_hidden:], float("-inf"))
     # not torch.softmax: its CPU kernel's faster exp is biased by ~1e-7 per term, which the
     # KL near convergence (a difference of terms of ~1e-2) turns into ~1e-4 of its value
     scores.sub_(scores.amax(dim=-1, keepdim=True)).exp_()  # softmax in place
-    probs = scores.div_(scores.sum(dim=-1, keepdim=True)).sum(dim=1)  # [b, c, keys]
+    return _normalised(scores.div_(scores.sum(dim=-1, keepdim=True)).sum(dim=1), tp_group)
+
+
+def _normalised(probs, tp_group):
+    """Head-summed probabilities [b, c, keys] of this rank's heads -> the L1-normalised sum over
+    the TP group's heads."""
     if tp_group is not None and torch.distributed.get_world_size(tp_group) > 1:
         torch.distributed.all_reduce(probs, group=tp_group)
     return probs / probs.sum(dim=-1, keepdim=True)
 
 
 def dense_kl(iq, ik, iw, query_sbnd, key_sbnd, scale: float, chunk: int, tp_group=None,
-             layout=None):
+             layout=None, fused: bool = False):
     """Mean over the queries of ``iq`` of the dense-form KL over the keys each query sees (per
     ``layout``: :class:`~.layout.TokenLayout`; None = causal, positions = row numbers).
     iq/ik/iw: indexer projections (gradients reach them only). The logits are fp32; the
-    quantised indexer dtypes serve selection."""
+    quantised indexer dtypes serve selection. ``fused``: the fused CPU kernel does the
+    elementwise work between the GEMMs (the caller checked it is built and the tensors are on
+    the CPU)."""
     b, s, heads, d = iq.shape
 
     def run(want_grads: bool):
@@ -120,16 +130,22 @@ def dense_kl(iq, ik, iw, query_sbnd, key_sbnd, scale: float, chunk: int, tp_grou
             n = hi if layout is None else layout.keys_seen(lo, hi)
             hidden = (causal_mask(lo, c, n, iq.device)[None] if layout is None
                       else layout.hidden(lo, hi, n))
+            first = _first_hidden(layout, lo)
             target = dense_attention_target(query_sbnd.detach(), keys_all[:, :, :n], scale, lo,
-                                            hi, hidden, tp_group, scores_buf,
-                                            _first_hidden(layout, lo))
+                                            hi, hidden, tp_group, scores_buf, first, fused)
             q_c = iq[:, lo:hi].detach().float().reshape(b, c * heads, d)
             per_head = torch.bmm(q_c, k[:, :n].transpose(1, 2),
                                  out=per_head_buf[:b * c * heads * n].view(b, c * heads, n))
             per_head = per_head.view(b * c, heads, n)
-            value, d_ph, d_w = _kl_and_grads(
-                per_head, iw[:, lo:hi].detach().float().reshape(b * c, heads),
-                target.view(b * c, n), hidden.expand(b, c, n).reshape(b * c, n), want_grads)
+            w_c = iw[:, lo:hi].detach().float().reshape(b * c, heads).contiguous()
+            if fused:  # d per_head replaces per_head in its storage
+                value, d_w = cpu_kernel().dense_kl_rows(per_head, w_c, target.reshape(b * c, n),
+                                                        hidden, b, first, want_grads)
+                d_ph = per_head
+            else:
+                value, d_ph, d_w = _kl_and_grads(per_head, w_c, target.view(b * c, n),
+                                                 hidden.expand(b, c, n).reshape(b * c, n),
+                                                 want_grads)
             total += value
             if want_grads:
                 d_ph = d_ph.view(b, c * heads, n)

@@ -20,6 +20,7 @@
 #include <cstring>
 #include <exception>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 // The BLAS torch itself links (MKL on x86 wheels, OpenBLAS on arm), LP64 Fortran interface.
@@ -42,27 +43,122 @@ inline void gemm(Op ta, Op tb, int64_t m, int64_t n, int64_t k, float alpha, con
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-// exp(x) for x <= 0 (every exponent here is a score minus a running max or a log-sum-exp), in a
-// form the compiler vectorises: 2^j * p(r) with r = x - j ln2, |r| <= ln2 / 2, and the degree-7
-// Taylor polynomial (truncation 3e-9, below fp32 rounding: a degree-6 one is 1.2e-7 low on one
-// side, a bias that a sum of thousands of terms keeps; log-sum-exps and the indexer KL drifted
-// by ~1e-7 per row); x = -inf gives 0.
-inline float exp_nonpositive(float x) {
-  x = std::max(x, -87.0f);
-  const float j = std::nearbyint(x * 1.44269504088896341f);
-  const float r = x - j * 0.693145751953125f - j * 1.428606765330187045e-06f;
-  float p = 1.0f / 5040;
-  p = p * r + 1.0f / 720;
+// exp(x) for x <= 0 (every exponent here is a score minus a running max or a log-sum-exp): 2^j *
+// p(r) with j = round(x / ln2), r = x - j ln2, |r| <= ln2 / 2, and the degree-7 Taylor polynomial
+// (truncation 3e-9, below fp32 rounding: a degree-6 one is 1.2e-7 low on one side, a bias that a
+// sum of thousands of terms keeps; log-sum-exps and the indexer KL drifted by ~1e-7 per row);
+// x <= -87 (and -inf) gives 0. One template for a float and for a SIMD vector of floats (GCC
+// vector extensions: AVX-512, AVX2 or NEON code from the same source), so the vector loops and
+// their scalar tails compute the same values. No branch and no libm call: GCC does not vectorise
+// a loop over the scalar form written with std::max and std::nearbyint (it turns the clamp into
+// a jump), and runs it at ~6 ns a value, where the vector form takes well under one.
+#if defined(__AVX512F__)
+constexpr int64_t kLanes = 16;
+#else
+constexpr int64_t kLanes = 8;
+#endif
+typedef float VecF __attribute__((vector_size(kLanes * sizeof(float))));
+typedef int32_t VecI __attribute__((vector_size(kLanes * sizeof(int32_t))));
+typedef double VecD __attribute__((vector_size(kLanes * sizeof(double))));
+
+inline VecF load_vec(const float* p) {
+  VecF v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+inline void store_vec(float* p, const VecF& v) { std::memcpy(p, &v, sizeof(v)); }
+inline VecF splat(float x) { return VecF{} + x; }
+
+inline int32_t to_int(float x) { return static_cast<int32_t>(x); }
+inline VecI to_int(const VecF& x) { return __builtin_convertvector(x, VecI); }
+inline float from_bits(int32_t b) {
+  float f;
+  std::memcpy(&f, &b, sizeof(f));
+  return f;
+}
+inline VecF from_bits(const VecI& b) {
+  VecF f;
+  std::memcpy(&f, &b, sizeof(f));
+  return f;
+}
+
+template <typename V>
+inline V filled(float x) {
+  if constexpr (std::is_same_v<V, float>)
+    return x;
+  else
+    return splat(x);
+}
+
+template <typename V>
+inline V exp_nonpositive(V x) {
+  const V floor = filled<V>(-87.0f);
+  const V xc = x > floor ? x : floor;  // a select: -inf and NaN stay out of the polynomial
+  const V round = xc * 1.44269504088896341f + 12582912.0f;  // + 1.5 * 2^23 rounds to an integer
+  const V j = round - 12582912.0f;
+  const V r = xc - j * 0.693145751953125f - j * 1.428606765330187045e-06f;
+  V p = r * (1.0f / 5040) + 1.0f / 720;
   p = p * r + 1.0f / 120;
   p = p * r + 1.0f / 24;
   p = p * r + 1.0f / 6;
   p = p * r + 0.5f;
   p = p * r + 1.0f;
   p = p * r + 1.0f;
-  int32_t bits = (static_cast<int32_t>(j) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return x <= -87.0f ? 0.0f : p * scale;
+  const V e = p * from_bits((to_int(j) + 127) << 23);
+  return x > floor ? e : filled<V>(0.0f);
+}
+
+// The largest of x[0..n) (-inf for n = 0; NaN never wins, as with std::max(m, x)).
+inline float max_of(const float* x, int64_t n) {
+  VecF mv = splat(kNegInf);
+  int64_t j = 0;
+  for (; j + kLanes <= n; j += kLanes) {
+    const VecF v = load_vec(x + j);
+    mv = v > mv ? v : mv;
+  }
+  float m = kNegInf;
+  for (int64_t i = 0; i < kLanes; ++i) m = std::max(m, mv[i]);
+  for (; j < n; ++j) m = std::max(m, x[j]);
+  return m;
+}
+
+// out[j] = exp(x[j] - m) for j < n (out may be x); returns their sum, per lane in double and the
+// lanes added in order (a float running sum over thousands of terms is off by ~1e-7 relative).
+inline double exp_shifted(float* out, const float* x, int64_t n, float m) {
+  VecD acc = VecD{};
+  int64_t j = 0;
+  for (; j + kLanes <= n; j += kLanes) {
+    const VecF e = exp_nonpositive(load_vec(x + j) - m);
+    store_vec(out + j, e);
+    acc += __builtin_convertvector(e, VecD);
+  }
+  double sum = 0.0;
+  for (int64_t i = 0; i < kLanes; ++i) sum += acc[i];
+  for (; j < n; ++j) {
+    out[j] = exp_nonpositive(x[j] - m);
+    sum += out[j];
+  }
+  return sum;
+}
+
+// sum_j a[j] b[j] for j < n, in per-lane partial sums (a float running sum has a dependency chain
+// GCC may not break without -ffast-math).
+inline float dot(const float* a, const float* b, int64_t n) {
+  VecF acc = VecF{};
+  int64_t j = 0;
+  for (; j + kLanes <= n; j += kLanes) acc += load_vec(a + j) * load_vec(b + j);
+  float sum = 0.f;
+  for (int64_t i = 0; i < kLanes; ++i) sum += acc[i];
+  for (; j < n; ++j) sum += a[j] * b[j];
+  return sum;
+}
+
+// acc[j] += scale * exp(x[j] - m) for j < n.
+inline void add_exp_shifted(float* acc, const float* x, int64_t n, float m, float scale) {
+  int64_t j = 0;
+  for (; j + kLanes <= n; j += kLanes)
+    store_vec(acc + j, load_vec(acc + j) + scale * exp_nonpositive(load_vec(x + j) - m));
+  for (; j < n; ++j) acc[j] += scale * exp_nonpositive(x[j] - m);
 }
 
 template <typename T>
@@ -144,9 +240,7 @@ void forward_queries(const Dims& z, const T* q, const T* kv, const int64_t* idx,
         if (vd)
           for (int64_t j = 0; j < nb; ++j)
             if (!vd[j0 + j]) sr[j] = kNegInf;
-        float bm = kNegInf;
-        for (int64_t j = 0; j < nb; ++j) bm = std::max(bm, sr[j]);
-        const float mn = std::max(m[h], bm);
+        const float mn = std::max(m[h], max_of(sr, nb));
         float* pr = p.data() + h * B;
         if (mn == kNegInf) {  // nothing visible yet for this head
           std::fill(pr, pr + nb, 0.f);
@@ -157,12 +251,7 @@ void forward_queries(const Dims& z, const T* q, const T* kv, const int64_t* idx,
           for (int64_t i = 0; i < dv; ++i) o[h * dv + i] *= corr;
           l[h] *= corr;
         }
-        float sum = 0.f;
-        for (int64_t j = 0; j < nb; ++j) {
-          pr[j] = exp_nonpositive(sr[j] - mn);
-          sum += pr[j];
-        }
-        l[h] += sum;
+        l[h] += static_cast<float>(exp_shifted(pr, sr, nb, mn));
         m[h] = mn;
       }
       // o [n, dv] += p [n, nb] . buf[nb, :dv]
@@ -176,7 +265,7 @@ void forward_queries(const Dims& z, const T* q, const T* kv, const int64_t* idx,
       lse[t * n + h] = lh;
       store_row(out + (h * z.b * z.s + t) * dv, o.data() + h * dv, dv, 1.f / l[h]);  // head-major
       const float* sr = scores.data() + h * k;
-      for (int64_t j = 0; j < k; ++j) hp[j] += exp_nonpositive(sr[j] - lh);
+      add_exp_shifted(hp, sr, k, lh, 1.f);
     }
   }
 }
@@ -217,7 +306,14 @@ void backward_queries(const Dims& z, const T* q, const T* kv, const int64_t* idx
         float* s_ds = tb.data() + h * B;        // scores -> dS / scale
         float* dp_p = tb.data() + (n + h) * B;  // dP -> P
         const float lh = lse[t * n + h], dh = delta[h];
-        for (int64_t j = 0; j < nb; ++j) {
+        int64_t j = 0;
+        if (!vd)
+          for (; j + kLanes <= nb; j += kLanes) {
+            const VecF pj = exp_nonpositive(load_vec(s_ds + j) - lh);
+            store_vec(s_ds + j, pj * (load_vec(dp_p + j) - dh));
+            store_vec(dp_p + j, pj);
+          }
+        for (; j < nb; ++j) {
           const float pj = (vd && !vd[j0 + j]) ? 0.f : exp_nonpositive(s_ds[j] - lh);
           s_ds[j] = pj * (dp_p[j] - dh);
           dp_p[j] = pj;
@@ -344,6 +440,56 @@ std::vector<at::Tensor> backward(const at::Tensor& q, const at::Tensor& kv, cons
   return {grad_q, grad_kv.sum().to(kv.scalar_type())};
 }
 
+// One query's indexer KL over its n candidate keys from the per-head scores ph [H, n] (row stride
+// ld): weighted-ReLU logits, log-softmax (log-sum-exp in double: a float running sum over
+// thousands of keys is off by ~1e-7 relative, which the KL near convergence shows), KL(target ||
+// softmax) summed in double. With grads, dw[H] and ph overwritten by d KL / d ph. hidden(j): key j
+// is masked (target 0 there). logits and dlog: scratch of n floats.
+template <typename Hidden>
+double kl_row(float* ph, int64_t ld, int64_t H, int64_t n, const float* w, const float* target, const Hidden& hidden,
+              bool want_grads, float* dw, float* logits, float* dlog) {
+  std::fill(logits, logits + n, 0.f);
+  for (int64_t h = 0; h < H; ++h) {
+    float* r = ph + h * ld;
+    const float wh = w[h];
+    for (int64_t j = 0; j < n; ++j) {
+      r[j] = std::max(r[j], 0.f);
+      logits[j] += wh * r[j];
+    }
+  }
+  for (int64_t j = 0; j < n; ++j)
+    if (hidden(j)) logits[j] = kNegInf;  // from here on -inf marks a hidden key (target 0 there)
+  const float m = max_of(logits, n);
+  const float log_sum = static_cast<float>(std::log(exp_shifted(dlog, logits, n, m)));
+  // sum t log q (log_softmax takes z - max first; t = 0 at hidden keys), and d logits = softmax -
+  // target (0 - 0 at hidden keys), the softmax formed as exp(z - max - lse)
+  VecD cross_lanes = VecD{};
+  int64_t j = 0;
+  for (; j + kLanes <= n; j += kLanes) {
+    const VecF logq = (load_vec(logits + j) - m) - log_sum, t = load_vec(target + j);
+    cross_lanes += __builtin_convertvector(t > 0.f ? t * logq : VecF{}, VecD);
+    store_vec(dlog + j, exp_nonpositive(logq) - t);
+  }
+  double cross = 0.0;
+  for (int64_t i = 0; i < kLanes; ++i) cross += cross_lanes[i];
+  for (; j < n; ++j) {
+    const float logq = (logits[j] - m) - log_sum;
+    if (target[j] > 0.f) cross += static_cast<double>(target[j] * logq);
+    dlog[j] = exp_nonpositive(logq) - target[j];
+  }
+  double entropy = 0.0;  // sum t log t
+  for (j = 0; j < n; ++j)
+    if (target[j] > 0.f) entropy += static_cast<double>(target[j] * std::log(target[j]));
+  if (!want_grads) return entropy - cross;
+  for (int64_t h = 0; h < H; ++h) {  // dw, then d per_head = [relu > 0] w dlogits (in place)
+    float* r = ph + h * ld;
+    dw[h] = dot(r, dlog, n);
+    const float wh = w[h];
+    for (int64_t j = 0; j < n; ++j) r[j] = r[j] > 0.f ? wh * dlog[j] : 0.f;
+  }
+  return entropy - cross;
+}
+
 // ---- The indexer's sparse KL (dsa/kl.py, sparse form) with its gradients, per query: ----
 // the query's selected indexer keys in blocks (GEMM per head), weighted-ReLU logits over all k,
 // log-softmax, KL(target || softmax), then d logits = softmax - target back through the ReLU into
@@ -368,41 +514,9 @@ void kl_queries(const Dims& z, int64_t heads, const float* q, const float* keys,
       gather_rows(buf.data(), keys_b, ix + j0, nb, k - j0, d, z.L);
       gemm(Op::T, Op::N, nb, H, d, 1.f, buf.data(), d, qt, d, 0.f, ph.data() + j0, k);
     }
-    std::fill(logits.begin(), logits.end(), 0.f);
-    for (int64_t h = 0; h < H; ++h) {
-      float* r = ph.data() + h * k;
-      const float wh = wt[h];
-      for (int64_t j = 0; j < k; ++j) {
-        r[j] = std::max(r[j], 0.f);
-        logits[j] += wh * r[j];
-      }
-    }
-    float m = kNegInf;
-    for (int64_t j = 0; j < k; ++j) {
-      if (vd && !vd[j]) logits[j] = kNegInf;
-      m = std::max(m, logits[j]);
-    }
-    double sum = 0.0;  // a float running sum of thousands of terms is off by ~1e-7 relative
-    for (int64_t j = 0; j < k; ++j) sum += exp_nonpositive(logits[j] - m);
-    const float log_sum = static_cast<float>(std::log(sum));
-    double row = 0.0;
-    for (int64_t j = 0; j < k; ++j) {
-      const bool hidden = vd && !vd[j];
-      const float logq = hidden ? 0.f : (logits[j] - m) - log_sum;  // log_softmax: z - max first
-      const float tj = tt[j];
-      if (tj > 0.f) row += static_cast<double>(tj * std::log(tj) - tj * logq);
-      dlog[j] = hidden ? 0.f : exp_nonpositive(logits[j] - m - log_sum) - tj;
-    }
-    total += row;
+    total += kl_row(ph.data(), k, H, k, wt, tt, [vd](int64_t j) { return vd && !vd[j]; }, want_grads,
+                    want_grads ? dw + t * H : nullptr, logits.data(), dlog.data());
     if (!want_grads) continue;
-    for (int64_t h = 0; h < H; ++h) {  // dw, then d per_head = [relu > 0] w dlogits (in place)
-      float* r = ph.data() + h * k;
-      float acc = 0.f;
-      for (int64_t j = 0; j < k; ++j) acc += r[j] * dlog[j];
-      dw[t * H + h] = acc;
-      const float wh = wt[h];
-      for (int64_t j = 0; j < k; ++j) r[j] = r[j] > 0.f ? wh * dlog[j] : 0.f;
-    }
     float* dqt = dq + t * H * d;
     std::fill(dqt, dqt + H * d, 0.f);
     float* dk_b = dk + bi * z.L * d;
@@ -458,6 +572,104 @@ std::vector<at::Tensor> sparse_kl(const at::Tensor& q, const at::Tensor& keys, c
   double total = 0.0;
   for (double v : values) total += v;
   return {at::scalar_tensor(total, opts), dq, dk.sum(), dw};
+}
+
+// ---- The indexer's dense KL (dsa/kl.py, dense form), a chunk of query rows at a time: ----
+// the elementwise work between the chunk's GEMMs (which stay torch's), one row at a time while
+// the row is in L2. Op by op, each step (mask, max, exp, sum, divide, head sum; ReLU, logits,
+// softmax, gradients) is a pass over n x c x keys scores in memory at long context.
+
+// The mask of row r (hidden [hb, c, keys], hb = 1 or b; none: nothing hidden) from column
+// first_hidden on (no key before it is hidden from any row of the chunk).
+struct HiddenRows {
+  const bool* p;
+  int64_t hb, c, keys, first;
+  const bool* row(int64_t bi, int64_t r) const { return p ? p + ((hb == 1 ? 0 : bi) * c + r) * keys : nullptr; }
+};
+
+HiddenRows hidden_rows(const c10::optional<at::Tensor>& hidden, at::Tensor& keep, int64_t b, int64_t c, int64_t keys,
+                       int64_t first_hidden) {
+  if (!hidden) return HiddenRows{nullptr, 1, c, keys, keys};
+  TORCH_CHECK(hidden->scalar_type() == at::kBool && hidden->dim() == 3 && (hidden->size(0) == 1 || hidden->size(0) == b) &&
+                  hidden->size(1) == c && hidden->size(2) == keys,
+              "dense KL: hidden must be bool [1 or ", b, ", ", c, ", ", keys, "], got ", hidden->sizes());
+  keep = hidden->contiguous();
+  return HiddenRows{keep.data_ptr<bool>(), keep.size(0), c, keys, std::max<int64_t>(first_hidden, 0)};
+}
+
+// scores [b, n, c, keys] fp32 (the chunk's main-attention scores, scaled; overwritten) -> the
+// per-head softmax over the visible keys summed over the heads [b, c, keys] fp32 (not yet
+// normalised over the TP group's heads). Sums in double.
+at::Tensor attention_target(at::Tensor scores, const c10::optional<at::Tensor>& hidden, int64_t first_hidden) {
+  TORCH_CHECK(scores.dim() == 4 && scores.scalar_type() == at::kFloat && scores.is_contiguous(),
+              "attention target: contiguous fp32 scores [b, n, c, keys]");
+  const int64_t b = scores.size(0), n = scores.size(1), c = scores.size(2), keys = scores.size(3);
+  at::Tensor keep;
+  const HiddenRows hid = hidden_rows(hidden, keep, b, c, keys, first_hidden);
+  auto probs = at::empty({b, c, keys}, scores.options());
+  float* sp = scores.data_ptr<float>();
+  float* pp = probs.data_ptr<float>();
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), std::max<int64_t>(b * c, 1));
+  const auto edges = split(b * c, threads);
+  on_threads(threads, [&](int64_t t) {
+    for (int64_t row = edges[t]; row < edges[t + 1]; ++row) {
+      const int64_t bi = row / c, r = row % c;
+      const bool* hr = hid.row(bi, r);
+      float* acc = pp + row * keys;
+      std::fill(acc, acc + keys, 0.f);
+      for (int64_t h = 0; h < n; ++h) {
+        float* x = sp + ((bi * n + h) * c + r) * keys;
+        if (hr)
+          for (int64_t j = hid.first; j < keys; ++j)
+            if (hr[j]) x[j] = kNegInf;
+        const float m = max_of(x, keys);
+        if (m == kNegInf) continue;  // nothing visible: no probability mass
+        const float inv = static_cast<float>(1.0 / exp_shifted(x, x, keys, m));
+        for (int64_t j = 0; j < keys; ++j) acc[j] += x[j] * inv;
+      }
+    }
+  });
+  return probs;
+}
+
+// per_head [R, H, keys] fp32 (the chunk's indexer scores q . k per head, rows = batch x c; overwritten
+// with the KL's gradient w.r.t. them when want_grads), w [R, H], target [R, keys] (0 at hidden keys),
+// hidden as in attention_target -> (sum over rows of the KL (summed in double), d w [R, H] (empty
+// without grads)).
+std::vector<at::Tensor> dense_kl_rows(at::Tensor per_head, const at::Tensor& w, const at::Tensor& target,
+                                      const c10::optional<at::Tensor>& hidden, int64_t batch, int64_t first_hidden,
+                                      bool want_grads) {
+  TORCH_CHECK(per_head.dim() == 3 && per_head.scalar_type() == at::kFloat && per_head.is_contiguous() &&
+                  w.scalar_type() == at::kFloat && w.is_contiguous() && w.dim() == 2 &&
+                  w.size(0) == per_head.size(0) && w.size(1) == per_head.size(1) &&
+                  target.scalar_type() == at::kFloat && target.is_contiguous() && target.dim() == 2 &&
+                  target.size(0) == per_head.size(0) && target.size(1) == per_head.size(2),
+              "dense KL: contiguous fp32 per_head [R, H, keys], w [R, H], target [R, keys]");
+  const int64_t R = per_head.size(0), H = per_head.size(1), keys = per_head.size(2);
+  TORCH_CHECK(batch >= 1 && R % batch == 0, "dense KL: ", R, " rows are not ", batch, " samples' chunks");
+  at::Tensor keep;
+  const HiddenRows hid = hidden_rows(hidden, keep, batch, R / batch, keys, first_hidden);
+  auto dw = want_grads ? at::empty({R, H}, w.options()) : at::empty({0}, w.options());
+  float* ph = per_head.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  const float* tp = target.data_ptr<float>();
+  float* dwp = want_grads ? dw.data_ptr<float>() : nullptr;
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), std::max<int64_t>(R, 1));
+  const auto edges = split(R, threads);
+  std::vector<double> values(threads, 0.0);
+  on_threads(threads, [&](int64_t t) {
+    std::vector<float> logits(keys), dlog(keys);
+    for (int64_t row = edges[t]; row < edges[t + 1]; ++row) {
+      const bool* hr = hid.row(row / hid.c, row % hid.c);
+      const int64_t first = hid.first;
+      values[t] += kl_row(ph + row * H * keys, keys, H, keys, wp + row * H, tp + row * keys,
+                          [hr, first](int64_t j) { return hr && j >= first && hr[j]; }, want_grads,
+                          want_grads ? dwp + row * H : nullptr, logits.data(), dlog.data());
+    }
+  });
+  double total = 0.0;
+  for (double v : values) total += v;
+  return {at::scalar_tensor(total, w.options()), dw};
 }
 
 // ---- The indexer's deterministic top-k (dsa/topk.py's rule) per row, by radix select: ----
@@ -529,5 +741,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("forward", &forward, "sparse MLA forward (CPU)");
   m.def("backward", &backward, "sparse MLA backward (CPU)");
   m.def("sparse_kl", &sparse_kl, "the indexer's sparse KL and its gradients (CPU)");
+  m.def("attention_target", &attention_target, "the dense KL's target for a chunk of rows (CPU)");
+  m.def("dense_kl_rows", &dense_kl_rows, "the dense KL and its gradients for a chunk of rows (CPU)");
   m.def("topk", &topk, "deterministic top-k indices per row, ascending (CPU)");
 }

@@ -1,7 +1,9 @@
 """Fused sparse MLA for CPU ranks: the C++ counterpart of
 ``sparse_attention.sparse_latent_attention`` (same shapes, semantics and precision; the source,
-``sparse_mla_cpu.cpp``, says how it is organised), and of the indexer's sparse KL with its
-gradients (``kl.sparse_kl(..., fused=True)`` calls ``cpu_kernel().sparse_kl``).
+``sparse_mla_cpu.cpp``, says how it is organised), of the indexer's sparse KL with its
+gradients (``kl.sparse_kl(..., fused=True)`` calls ``cpu_kernel().sparse_kl``), of the dense KL's
+row work between its GEMMs (``kl.dense_kl(..., fused=True)``: ``attention_target`` and
+``dense_kl_rows``) and of the indexer's top-k (``topk``).
 
 The kernel is compiled on first use with torch's extension builder (g++ and ninja; a few tens of
 seconds once) into torch's extensions directory (``TORCH_EXTENSIONS_DIR``), under a name keyed by
