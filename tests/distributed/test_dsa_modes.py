@@ -79,5 +79,6 @@ def test_sparse_mode_tp2_matches_one_rank(warmed_up):
         first = a["step"] <= 2
         for key in ("lm_loss", "mtp_loss", "loss"):
             assert b[key] == pytest.approx(a[key], rel=1e-6 if first else 1e-4), (a["step"], key)
-        # the KL (~4e-3) is a difference of O(1) sums: TP's summation order alone moves it ~2e-6
-        assert b["indexer_kl"] == pytest.approx(a["indexer_kl"], rel=1e-5 if first else 1e-3)
+        # the KL (~4e-3) is a difference of O(1) sums: TP's summation order alone moves it ~2e-6;
+        # after flips it moves most (one run: 1e-4, 5e-4, 1.6e-3 at steps 3-5, losses within 5e-5)
+        assert b["indexer_kl"] == pytest.approx(a["indexer_kl"], rel=1e-5 if first else 5e-3)
