@@ -14,9 +14,10 @@ COMMON = ["trainer.steps=2", "trainer.seq_length=64", "trainer.global_batch_size
           "trainer.micro_batch_size=2", "model.dsa.topk=16", "checkpoint.save_at_end=false"]
 MODES = {
     "dense": [],
-    "warmup": ["model.dsa.mode=warmup"],
     # kernels=torch: the strict run's tensors are on the tracked device, where auto picks the
-    # torch path (a GPU's kernels, not the fused CPU one); the plain run must take the same path
+    # torch path (a GPU's kernels, not the fused CPU one: sparse MLA, the sparse KL and the dense
+    # KL's row work); the plain run must take the same path
+    "warmup": ["model.dsa.mode=warmup", "model.dsa.kernels=torch"],
     "sparse_fp8_indexer": ["model.dsa.mode=sparse", "model.dsa.indexer_dtype=fp8",
                            "model.dsa.index_head_dim=128", "model.dsa.kernels=torch"],
 }
