@@ -51,7 +51,8 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 // vector extensions: AVX-512, AVX2 or NEON code from the same source), so the vector loops and
 // their scalar tails compute the same values. No branch and no libm call: GCC does not vectorise
 // a loop over the scalar form written with std::max and std::nearbyint (it turns the clamp into
-// a jump), and runs it at ~6 ns a value, where the vector form takes well under one.
+// a jump; ~6 ns a value on an AVX2 EPYC). With it, the dense KL target's max / exp / head-sum row
+// work went from 82 to 38 ms per 16.8M scores on one thread.
 #if defined(__AVX512F__)
 constexpr int64_t kLanes = 16;
 #else
