@@ -154,12 +154,11 @@ inline float dot(const float* a, const float* b, int64_t n) {
   return sum;
 }
 
-// acc[j] += scale * exp(x[j] - m) for j < n.
-inline void add_exp_shifted(float* acc, const float* x, int64_t n, float m, float scale) {
+// acc[j] += exp(x[j] - m) for j < n.
+inline void add_exp_shifted(float* acc, const float* x, int64_t n, float m) {
   int64_t j = 0;
-  for (; j + kLanes <= n; j += kLanes)
-    store_vec(acc + j, load_vec(acc + j) + scale * exp_nonpositive(load_vec(x + j) - m));
-  for (; j < n; ++j) acc[j] += scale * exp_nonpositive(x[j] - m);
+  for (; j + kLanes <= n; j += kLanes) store_vec(acc + j, load_vec(acc + j) + exp_nonpositive(load_vec(x + j) - m));
+  for (; j < n; ++j) acc[j] += exp_nonpositive(x[j] - m);
 }
 
 template <typename T>
@@ -266,7 +265,7 @@ void forward_queries(const Dims& z, const T* q, const T* kv, const int64_t* idx,
       lse[t * n + h] = lh;
       store_row(out + (h * z.b * z.s + t) * dv, o.data() + h * dv, dv, 1.f / l[h]);  // head-major
       const float* sr = scores.data() + h * k;
-      add_exp_shifted(hp, sr, k, lh, 1.f);
+      add_exp_shifted(hp, sr, k, lh);
     }
   }
 }
@@ -370,6 +369,9 @@ void on_threads(int64_t threads, const F& fn) {
   }
   if (error) std::rethrow_exception(error);
 }
+
+// Threads for `rows` independent rows: torch's intra-op count, no more than there are rows.
+int64_t row_threads(int64_t rows) { return std::min<int64_t>(at::get_num_threads(), std::max<int64_t>(rows, 1)); }
 
 // Query ranges per thread: fixed by the thread count, so the kv-gradient sum order is too.
 std::vector<int64_t> split(int64_t total, int64_t parts) {
@@ -610,7 +612,7 @@ at::Tensor attention_target(at::Tensor scores, const c10::optional<at::Tensor>& 
   auto probs = at::empty({b, c, keys}, scores.options());
   float* sp = scores.data_ptr<float>();
   float* pp = probs.data_ptr<float>();
-  const int64_t threads = std::min<int64_t>(at::get_num_threads(), std::max<int64_t>(b * c, 1));
+  const int64_t threads = row_threads(b * c);
   const auto edges = split(b * c, threads);
   on_threads(threads, [&](int64_t t) {
     for (int64_t row = edges[t]; row < edges[t + 1]; ++row) {
@@ -655,7 +657,7 @@ std::vector<at::Tensor> dense_kl_rows(at::Tensor per_head, const at::Tensor& w, 
   const float* wp = w.data_ptr<float>();
   const float* tp = target.data_ptr<float>();
   float* dwp = want_grads ? dw.data_ptr<float>() : nullptr;
-  const int64_t threads = std::min<int64_t>(at::get_num_threads(), std::max<int64_t>(R, 1));
+  const int64_t threads = row_threads(R);
   const auto edges = split(R, threads);
   std::vector<double> values(threads, 0.0);
   on_threads(threads, [&](int64_t t) {
@@ -718,7 +720,7 @@ at::Tensor topk(const at::Tensor& scores, int64_t k) {
   auto idx = at::empty(sizes, scores.options().dtype(at::kLong));
   const float* src = scores.data_ptr<float>();
   int64_t* dst = idx.data_ptr<int64_t>();
-  const int64_t threads = std::min<int64_t>(at::get_num_threads(), std::max<int64_t>(rows, 1));
+  const int64_t threads = row_threads(rows);
   const auto edges = split(rows, threads);
   on_threads(threads, [&](int64_t t) {
     std::vector<uint32_t> keys(n), scratch(n);
