@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from model_providers.glm5.dsa.indexer import causal_mask
-from model_providers.glm5.dsa.kernels.sparse_mla_cpu import KEY_BLOCK, cpu_kernel
+from model_providers.glm5.dsa.kernels.sparse_mla_cpu import cpu_kernel
 from model_providers.glm5.dsa.sparse_attention import all_visible, rows_per_chunk, scatter_add_rows
 
 
@@ -169,22 +169,27 @@ def _first_hidden(layout, lo: int) -> int:
 
 def sparse_kl(iq, ik, iw, idx, valid, head_probs, chunk: int, tp_group=None, fused: bool = False):
     """Mean over the queries of ``iq``/``iw``/``idx`` of the sparse-form KL over each query's
-    selected keys (``ik`` holds every key). ``fused``: the fused CPU kernel computes it (the
-    caller checked it is built and the tensors are on the CPU)."""
+    selected keys (``ik`` holds every key). ``head_probs`` (fp32, the main attention summed over
+    this rank's heads) is overwritten by the target. ``fused``: the fused CPU kernel computes it
+    (the caller checked it is built and the tensors are on the CPU)."""
     b, s, heads, d = iq.shape
     kk = idx.shape[-1]
-    target = head_probs.detach().float().masked_fill(~valid, 0.0)
+    # the target is formed in head_probs' storage (nothing else reads it): at long context a
+    # fresh [b, s, k] copy per step is page faults as much as arithmetic
+    hidden = None if all_visible(valid) else ~valid
+    target = head_probs.detach().float()
+    if hidden is not None:
+        target.masked_fill_(hidden, 0.0)
     if tp_group is not None and torch.distributed.get_world_size(tp_group) > 1:
         torch.distributed.all_reduce(target, group=tp_group)
-    target = target / target.sum(dim=-1, keepdim=True)
-    hidden = None if all_visible(valid) else ~valid
+    target.div_(target.sum(dim=-1, keepdim=True))
     c_max = rows_per_chunk(kk, d, 4, chunk)
 
     def run_fused(want_grads: bool):
         total, dq, dk, dw = cpu_kernel().sparse_kl(
             iq.detach().float().contiguous(), ik.detach().float().contiguous(),
             iw.detach().float().contiguous(), idx, None if hidden is None else valid,
-            target.contiguous(), want_grads, KEY_BLOCK)
+            target.contiguous(), want_grads)
         return _mean(total, (dq, dk, dw), b * s, want_grads)
 
     def run(want_grads: bool):

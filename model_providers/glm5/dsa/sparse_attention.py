@@ -91,10 +91,13 @@ class SparseLatentAttention(torch.autograd.Function):
         ctx.save_for_backward(q, kv, idx, valid, lse)
         ctx.scale, ctx.dv, ctx.chunk = scale, dv, c
         ctx.mark_non_differentiable(head_probs)
+        ctx.set_materialize_grads(False)  # no zero-filled [b, s, k] gradient for head_probs
         return out, head_probs
 
     @staticmethod
     def backward(ctx, grad_out, _grad_head_probs):
+        if grad_out is None:
+            return (None,) * 7
         q, kv, idx, valid, lse = ctx.saved_tensors
         scale, dv, c = ctx.scale, ctx.dv, ctx.chunk
         b, s, n, dim = q.shape

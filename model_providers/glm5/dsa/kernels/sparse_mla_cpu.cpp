@@ -161,6 +161,34 @@ inline void add_exp_shifted(float* acc, const float* x, int64_t n, float m) {
   for (; j < n; ++j) acc[j] += exp_nonpositive(x[j] - m);
 }
 
+// dst[i] += sum_g c[g] rows[g * ld + i] for i < d, the G coefficients in registers and dst read
+// and written once per vector (heads added in order g = 0..G-1, as a loop over heads would).
+template <int G>
+inline void add_weighted_rows(float* dst, const float* rows, int64_t ld, const float* c, int64_t d) {
+  VecF cs[G];
+  for (int g = 0; g < G; ++g) cs[g] = splat(c[g]);
+  int64_t i = 0;
+  for (; i + kLanes <= d; i += kLanes) {
+    VecF acc = load_vec(dst + i);
+    for (int g = 0; g < G; ++g) acc += cs[g] * load_vec(rows + g * ld + i);
+    store_vec(dst + i, acc);
+  }
+  for (; i < d; ++i) {
+    float acc = dst[i];
+    for (int g = 0; g < G; ++g) acc += c[g] * rows[g * ld + i];
+    dst[i] = acc;
+  }
+}
+
+// The same for any number of rows H, in groups of 8, 4, 2 and 1 (c: H coefficients).
+inline void add_weighted_rows(float* dst, const float* rows, int64_t ld, const float* c, int64_t H, int64_t d) {
+  int64_t g = 0;
+  for (; g + 8 <= H; g += 8) add_weighted_rows<8>(dst, rows + g * ld, ld, c + g, d);
+  if (g + 4 <= H) add_weighted_rows<4>(dst, rows + g * ld, ld, c + g, d), g += 4;
+  if (g + 2 <= H) add_weighted_rows<2>(dst, rows + g * ld, ld, c + g, d), g += 2;
+  if (g < H) add_weighted_rows<1>(dst, rows + g * ld, ld, c + g, d);
+}
+
 template <typename T>
 inline void load_row(float* dst, const T* src, int64_t d) {
   for (int64_t i = 0; i < d; ++i) dst[i] = static_cast<float>(src[i]);
@@ -452,10 +480,16 @@ template <typename Hidden>
 double kl_row(float* ph, int64_t ld, int64_t H, int64_t n, const float* w, const float* target, const Hidden& hidden,
               bool want_grads, float* dw, float* logits, float* dlog) {
   std::fill(logits, logits + n, 0.f);
-  for (int64_t h = 0; h < H; ++h) {
+  for (int64_t h = 0; h < H; ++h) {  // written with vectors: GCC keeps a select loop scalar
     float* r = ph + h * ld;
     const float wh = w[h];
-    for (int64_t j = 0; j < n; ++j) {
+    int64_t j = 0;
+    for (; j + kLanes <= n; j += kLanes) {
+      const VecF x = load_vec(r + j), relu = x > 0.f ? x : VecF{};
+      store_vec(r + j, relu);
+      store_vec(logits + j, load_vec(logits + j) + wh * relu);
+    }
+    for (; j < n; ++j) {
       r[j] = std::max(r[j], 0.f);
       logits[j] += wh * r[j];
     }
@@ -488,7 +522,10 @@ double kl_row(float* ph, int64_t ld, int64_t H, int64_t n, const float* w, const
     float* r = ph + h * ld;
     dw[h] = dot(r, dlog, n);
     const float wh = w[h];
-    for (int64_t j = 0; j < n; ++j) r[j] = r[j] > 0.f ? wh * dlog[j] : 0.f;
+    int64_t j = 0;
+    for (; j + kLanes <= n; j += kLanes)
+      store_vec(r + j, load_vec(r + j) > 0.f ? wh * load_vec(dlog + j) : VecF{});
+    for (; j < n; ++j) r[j] = r[j] > 0.f ? wh * dlog[j] : 0.f;
   }
   return entropy - cross;
 }
@@ -501,41 +538,27 @@ double kl_row(float* ph, int64_t ld, int64_t H, int64_t n, const float* w, const
 void kl_queries(const Dims& z, int64_t heads, const float* q, const float* keys, const float* w,
                 const int64_t* idx, const bool* valid, const float* target, bool want_grads, double* value,
                 float* dq, float* dk, float* dw, int64_t begin, int64_t end) {
-  const int64_t H = heads, d = z.d, k = z.k, B = z.block;
-  std::vector<float> buf(B * d), ph(H * k), logits(k), dlog(k);
+  const int64_t H = heads, d = z.d, k = z.k;
+  // all k selected key rows (k x d x 4 B: 1 MiB for GLM-5's 2048 x 128) gathered once per query,
+  // for the scores and again for dq: a second gather from the whole sequence cost more than the GEMMs
+  std::vector<float> rows(k * d), ph(H * k), logits(k), dlog(k), coef(H);
   double total = 0.0;
   for (int64_t t = begin; t < end; ++t) {
     const int64_t bi = t / z.s;
-    const float* keys_b = keys + bi * z.L * d;
     const int64_t* ix = idx + t * k;
     const bool* vd = valid ? valid + t * k : nullptr;
     const float* qt = q + t * H * d;
-    const float* wt = w + t * H;
-    const float* tt = target + t * k;
-    for (int64_t j0 = 0; j0 < k; j0 += B) {  // per-head scores [H, k], then ReLU and the logits
-      const int64_t nb = std::min(B, k - j0);
-      gather_rows(buf.data(), keys_b, ix + j0, nb, k - j0, d, z.L);
-      gemm(Op::T, Op::N, nb, H, d, 1.f, buf.data(), d, qt, d, 0.f, ph.data() + j0, k);
-    }
-    total += kl_row(ph.data(), k, H, k, wt, tt, [vd](int64_t j) { return vd && !vd[j]; }, want_grads,
-                    want_grads ? dw + t * H : nullptr, logits.data(), dlog.data());
+    gather_rows(rows.data(), keys + bi * z.L * d, ix, k, k, d, z.L);
+    gemm(Op::T, Op::N, k, H, d, 1.f, rows.data(), d, qt, d, 0.f, ph.data(), k);  // per-head scores [H, k]
+    total += kl_row(ph.data(), k, H, k, w + t * H, target + t * k, [vd](int64_t j) { return vd && !vd[j]; },
+                    want_grads, want_grads ? dw + t * H : nullptr, logits.data(), dlog.data());
     if (!want_grads) continue;
-    float* dqt = dq + t * H * d;
-    std::fill(dqt, dqt + H * d, 0.f);
+    gemm(Op::N, Op::N, d, H, k, 1.f, rows.data(), d, ph.data(), k, 0.f, dq + t * H * d, d);  // dq = dph . K
     float* dk_b = dk + bi * z.L * d;
-    for (int64_t j0 = 0; j0 < k; j0 += B) {
-      const int64_t nb = std::min(B, k - j0);
-      gather_rows(buf.data(), keys_b, ix + j0, nb, k - j0, d, z.L);
-      gemm(Op::N, Op::N, d, H, nb, 1.f, buf.data(), d, ph.data() + j0, k, 1.f, dqt, d);  // dq += dph . K
-      for (int64_t r = 0; r < nb; ++r) {  // dk row += sum_h dph[h, r] q_h: the row stays in L1
-        float* dst = dk_b + ix[j0 + r] * d;
-        for (int64_t h = 0; h < H; ++h) {
-          const float c = ph[h * k + j0 + r];
-          if (c == 0.f) continue;  // ReLU-inactive head or hidden key
-          const float* qh = qt + h * d;
-          for (int64_t i = 0; i < d; ++i) dst[i] += c * qh[i];
-        }
-      }
+    for (int64_t r = 0; r < k; ++r) {  // dk row += sum_h dph[h, r] q_h
+      if (r + kPrefetchRows < k) prefetch_row(dk_b + ix[r + kPrefetchRows] * d, d, true);
+      for (int64_t h = 0; h < H; ++h) coef[h] = ph[h * k + r];
+      add_weighted_rows(dk_b + ix[r] * d, qt, d, coef.data(), H, d);
     }
   }
   *value = total;
@@ -545,7 +568,7 @@ void kl_queries(const Dims& z, int64_t heads, const float* q, const float* keys,
 // gradients are empty tensors when want_grads is false.
 std::vector<at::Tensor> sparse_kl(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& w,
                                   const at::Tensor& idx, const c10::optional<at::Tensor>& valid,
-                                  const at::Tensor& target, bool want_grads, int64_t block) {
+                                  const at::Tensor& target, bool want_grads) {
   TORCH_CHECK(q.dim() == 4 && keys.dim() == 3 && w.dim() == 3 && idx.dim() == 3, "indexer KL: q [b, s, H, d], "
               "keys [b, L, d], w [b, s, H], idx [b, s, k]");
   TORCH_CHECK(q.scalar_type() == at::kFloat && keys.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat &&
@@ -556,7 +579,7 @@ std::vector<at::Tensor> sparse_kl(const at::Tensor& q, const at::Tensor& keys, c
               "indexer KL: contiguous inputs, target shaped like idx (int64), matching dims");
   TORCH_CHECK(!valid || (valid->scalar_type() == at::kBool && valid->sizes() == idx.sizes()),
               "indexer KL: valid must be a bool tensor shaped like idx");
-  const Dims z{q.size(0), q.size(1), q.size(2), q.size(3), 0, idx.size(2), keys.size(1), block};
+  const Dims z{q.size(0), q.size(1), q.size(2), q.size(3), 0, idx.size(2), keys.size(1), 0};
   const int64_t H = q.size(2);
   at::Tensor valid_keep;
   const bool* vd = valid_data(valid, valid_keep);

@@ -91,10 +91,13 @@ class SparseLatentAttentionCPU(torch.autograd.Function):
         ctx.save_for_backward(q, kv, idx, valid, out, lse)
         ctx.scale, ctx.dv = scale, dv
         ctx.mark_non_differentiable(head_probs)
+        ctx.set_materialize_grads(False)  # no zero-filled [b, s, k] gradient for head_probs
         return out, head_probs
 
     @staticmethod
     def backward(ctx, grad_out, _grad_head_probs):
+        if grad_out is None:
+            return (None,) * 6
         q, kv, idx, valid, out, lse = ctx.saved_tensors
         if grad_out.stride(-1) != 1:
             grad_out = grad_out.contiguous()

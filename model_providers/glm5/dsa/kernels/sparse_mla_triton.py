@@ -387,10 +387,13 @@ class SparseMLATriton(torch.autograd.Function):
         ctx.save_for_backward(q, kv, idx, valid, o, lse)
         ctx.scale, ctx.dv, ctx.precise = scale, dv, precise
         ctx.mark_non_differentiable(head_probs)
+        ctx.set_materialize_grads(False)  # no zero-filled [b, s, k] gradient for head_probs
         return o, head_probs
 
     @staticmethod
     def backward(ctx, grad_o, _grad_head_probs):
+        if grad_o is None:
+            return (None,) * 7
         q, kv, idx, valid, o, lse = ctx.saved_tensors
         dq, dkv = sparse_mla_backward(q, kv, idx, valid, o, lse, grad_o, ctx.scale, ctx.dv,
                                       precise=ctx.precise)
