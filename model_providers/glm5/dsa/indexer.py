@@ -73,11 +73,13 @@ def mla_yarn(config) -> YarnConfig | None:
 KEY_BLOCK = 1024  #: keys scored per GEMM in `index_logits` (fp32)
 
 
-def index_logits(q, k, w, q_offset: int, dtype: str = "fp32", hidden=None) -> torch.Tensor:
+def index_logits(q, k, w, q_offset: int, dtype: str = "fp32", hidden=None, out=None) -> torch.Tensor:
     """Indexer scores of a query chunk: q [b, c, H, d] (queries q_offset..q_offset+c-1),
     k [b, L, d], w [b, c, H] -> [b, c, L] fp32, -inf where the key is hidden: in the future, or
     where ``hidden`` ([b or 1, c, L] bool, from :class:`~.layout.TokenLayout`) says so;
-    ``hidden=False``: nothing is masked (the caller masks)."""
+    ``hidden=False``: nothing is masked (the caller masks). ``out``: fp32 storage of at least
+    b * c * L elements for the fp32 scores with ``hidden=False`` (a caller scoring chunk after
+    chunk reuses it: a fresh [b, c, L] per chunk is page faults at long context)."""
     if dtype != "fp32":
         from model_providers.glm5.dsa.fp8 import index_logits as quantised_index_logits
 
@@ -86,10 +88,13 @@ def index_logits(q, k, w, q_offset: int, dtype: str = "fp32", hidden=None) -> to
     b, c, h, d = q.shape
     length = k.shape[1]
     q_rows, w_rows = q.float().reshape(b, c * h, d), w.float().reshape(b * c, 1, h)
-    logits = torch.empty(b, c, length, dtype=torch.float32, device=q.device)
     # key blocks: each block's per-head scores [b, c*H, block] stay cache-resident between the
     # GEMM, the ReLU and the weighted head sum (unblocked, they stream through memory 4 times)
     differentiable = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, w))
+    if out is not None and hidden is False and not differentiable:
+        logits = out.view(-1)[:b * c * length].view(b, c, length)
+    else:
+        logits = torch.empty(b, c, length, dtype=torch.float32, device=q.device)
     per_head = None if differentiable else q_rows.new_empty(b, c * h, min(length, KEY_BLOCK))
     for lo in range(0, length, KEY_BLOCK):
         hi = min(lo + KEY_BLOCK, length)
@@ -147,8 +152,10 @@ def select_topk(q, k, w, topk: int, chunk: int, dtype: str = "fp32", first: int 
         def score(q_c, w_c, n, lo):
             return fp8_logits_quantised_keys(q_c, k8[:, :n], ks[:, :n], w_c, causal=False)
     else:
+        scores_buf = torch.empty(b * min(chunk, s) * length, dtype=torch.float32, device=q.device)
+
         def score(q_c, w_c, n, lo):
-            return index_logits(q_c, k[:, :n], w_c, 0, dtype, hidden=False)
+            return index_logits(q_c, k[:, :n], w_c, 0, dtype, hidden=False, out=scores_buf)
     idx = torch.empty(b, s, kk, dtype=torch.int64, device=q.device)
     for lo in range(0, s, chunk):
         hi = min(lo + chunk, s)
