@@ -47,7 +47,8 @@ def test_fused_cpu_kernel_equals_torch_path(dtype, tol, hidden, monkeypatch):
     q, kv, idx, valid = _inputs(2, 9, 70, 37, dtype, hidden)
     scale = D ** -0.5
     want = _run(lambda q, kv: SparseLatentAttention.apply(q, kv, idx, valid, scale, DV, 4), q, kv)
-    got = _run(lambda q, kv: fused.sparse_mla_cpu(q, kv, idx, valid if hidden else None, scale, DV), q, kv)
+    got = _run(lambda q, kv: fused.sparse_mla_cpu(q[..., :DV], q[..., DV:], kv, idx, valid if hidden else None,
+                                                  scale), q, kv)
     assert [t.dtype for t in got] == [t.dtype for t in want]
     assert got[0].permute(2, 0, 1, 3).is_contiguous()  # head-major o: W_UV's per-head GEMM reads it in place
     assert _worst(got, want) <= tol, _worst(got, want)
@@ -57,14 +58,15 @@ def test_fused_cpu_kernel_equals_torch_path(dtype, tol, hidden, monkeypatch):
 
 def test_fused_cpu_kernel_is_deterministic():
     q, kv, idx, valid = _inputs(1, 33, 64, 24, torch.float32, True, seed=3)
-    runs = [_run(lambda q, kv: fused.sparse_mla_cpu(q, kv, idx, valid, 0.2, DV), q, kv) for _ in range(2)]
+    runs = [_run(lambda q, kv: fused.sparse_mla_cpu(q[..., :DV], q[..., DV:], kv, idx, valid, 0.2), q, kv)
+            for _ in range(2)]
     assert all(torch.equal(a, b) for a, b in zip(*runs))
 
 
 def test_auto_runs_the_fused_cpu_kernel_in_the_layer(one_rank, monkeypatch):
     calls = []
     kernel = attention.sparse_mla_cpu
-    monkeypatch.setattr(attention, "sparse_mla_cpu", lambda *a: calls.append(a[3]) or kernel(*a))
+    monkeypatch.setattr(attention, "sparse_mla_cpu", lambda *a: calls.append(a[4]) or kernel(*a))
     res = outputs_per_kernel_choice(("torch", "auto"))
     assert len(calls) == 1 and calls[0] is not None  # packed documents hide keys: the mask is passed
     assert _worst(res["auto"], res["torch"]) <= 1e-5

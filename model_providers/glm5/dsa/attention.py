@@ -245,30 +245,32 @@ class DSACoreAttention(MegatronModule):
         idx, valid = select_topk(iq[:, first:].detach(), ik.detach(), iw[:, first:].detach(),
                                  self.dsa.topk, self.dsa.query_chunk, self.dsa.indexer_dtype,
                                  first, layout, triton, fused)
-        w = mla.kv_up_weight.view(n, nope + dv, cfg.kv_lora_rank)
+        lora, rows = cfg.kv_lora_rank, s - first
+        w = mla.kv_up_weight.view(n, nope + dv, lora)
         w_uk, w_uv = w[:, :nope], w[:, nope:]
         q_nope, q_pe = query[first:].split([nope, rope], dim=-1)
-        q_abs = torch.cat([torch.einsum("sbnd,ndc->bsnc", q_nope, w_uk),
-                           q_pe.transpose(0, 1)], dim=-1)
+        # W_UK per head as one bmm over [n, b * rows, nope]: the absorbed query's latent part
+        # comes head-major, [b, rows, n, lora] as a view
+        q_lat = torch.bmm(q_nope.permute(2, 1, 0, 3).reshape(n, b * rows, nope), w_uk)
+        q_lat = q_lat.view(n, b, rows, lora).permute(1, 2, 0, 3)
+        q_pe = q_pe.transpose(0, 1)  # [b, rows, n, rope]
         c = mla.kv_full
         if c is None:
             c = _full_sequence(mla.kv_latent, cfg.sequence_parallel)
-        kv = torch.cat([c, key[:, :, 0, nope:]], dim=-1).transpose(0, 1)  # [b, L, lora + rope]
-        if triton:
-            o_lat, head_probs = sparse_mla_triton(q_abs.contiguous(), kv.contiguous(), idx, valid,
-                                                  self.softmax_scale, cfg.kv_lora_rank)
-        elif fused:
-            o_lat, head_probs = sparse_mla_cpu(q_abs.contiguous(), kv.contiguous(), idx,
-                                               None if all_visible(valid) else valid,
-                                               self.softmax_scale, cfg.kv_lora_rank)
+        kv = torch.cat([c, key[:, :, 0, nope:]], dim=-1).transpose(0, 1).contiguous()  # [b, L, lora + rope]
+        if fused:  # reads both pieces in place: no [b, rows, n, lora + rope] concatenation
+            o_lat, head_probs = sparse_mla_cpu(q_lat, q_pe, kv, idx,
+                                               None if all_visible(valid) else valid, self.softmax_scale)
+        elif triton:
+            o_lat, head_probs = sparse_mla_triton(torch.cat([q_lat, q_pe], dim=-1).contiguous(), kv, idx, valid,
+                                                  self.softmax_scale, lora)
         else:
             o_lat, head_probs = sparse_latent_attention(
-                q_abs.contiguous(), kv.contiguous(), idx, valid, self.softmax_scale,
-                cfg.kv_lora_rank, self.dsa.query_chunk)
+                torch.cat([q_lat, q_pe], dim=-1).contiguous(), kv, idx, valid, self.softmax_scale, lora,
+                self.dsa.query_chunk)
         # W_UV per head as one bmm over [n, b * rows, c]: a view when o_lat is head-major (the
         # fused CPU kernel's), so the storage the kernel keeps is the one this GEMM keeps
-        rows = s - first
-        o_heads = o_lat.permute(2, 0, 1, 3).reshape(n, b * rows, cfg.kv_lora_rank)
+        o_heads = o_lat.permute(2, 0, 1, 3).reshape(n, b * rows, lora)
         out = torch.bmm(o_heads, w_uv.transpose(1, 2)).view(n, b, rows, dv)
         out = out.permute(2, 1, 0, 3).reshape(rows, b, n * dv)
         kl = sparse_kl(iq[:, first:], ik, iw[:, first:], idx, valid, head_probs,

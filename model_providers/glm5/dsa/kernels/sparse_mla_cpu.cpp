@@ -224,16 +224,33 @@ inline void gather_rows(float* buf, const T* kv, const int64_t* idx, int64_t row
   }
 }
 
-// [b, s, n, d] rows in any layout with contiguous last dim (o and dO are read in place).
+// [b, s, n, d] rows in any layout with contiguous last dim (q's pieces, o and dO are read in
+// place; dq's pieces written in place).
 template <typename T>
 struct Rows {
-  const T* p;
+  T* p;
   int64_t sb, ss, sh;
   static Rows of(const at::Tensor& x) {
-    TORCH_CHECK(x.dim() == 4 && x.stride(3) == 1, "sparse MLA: o / dO need a contiguous last dim");
+    TORCH_CHECK(x.dim() == 4 && x.stride(3) == 1, "sparse MLA: q, o, dO and dq need a contiguous last dim");
     return Rows{x.data_ptr<T>(), x.stride(0), x.stride(1), x.stride(2)};
   }
-  const T* row(int64_t bi, int64_t si, int64_t h) const { return p + bi * sb + si * ss + h * sh; }
+  T* row(int64_t bi, int64_t si, int64_t h) const { return p + bi * sb + si * ss + h * sh; }
+};
+
+// The absorbed query in two pieces, the latent [.., dv] and the rope [.., d - dv] part (the
+// caller's absorption GEMM output and its rope slice, never concatenated), read into one row.
+template <typename T>
+struct QueryRows {
+  Rows<T> lat, pe;
+  int64_t dv, d;
+  void load(float* dst, int64_t bi, int64_t si, int64_t h) const {
+    load_row(dst, lat.row(bi, si, h), dv);
+    load_row(dst + dv, pe.row(bi, si, h), d - dv);
+  }
+  void store(const float* src, int64_t bi, int64_t si, int64_t h, float scale) const {
+    store_row(lat.row(bi, si, h), src, dv, scale);
+    store_row(pe.row(bi, si, h), src + dv, d - dv, scale);
+  }
 };
 
 struct Dims {
@@ -241,7 +258,7 @@ struct Dims {
 };
 
 template <typename T>
-void forward_queries(const Dims& z, const T* q, const T* kv, const int64_t* idx, const bool* valid,
+void forward_queries(const Dims& z, const QueryRows<T>& q, const T* kv, const int64_t* idx, const bool* valid,
                      float scale, T* out, float* lse, float* head_probs, int64_t begin, int64_t end) {
   const int64_t n = z.n, d = z.d, dv = z.dv, k = z.k, B = z.block;
   std::vector<float> qs(n * d), buf(B * d), scores(n * k), p(n * B), o(n * dv), m(n), l(n);
@@ -251,7 +268,7 @@ void forward_queries(const Dims& z, const T* q, const T* kv, const int64_t* idx,
     const int64_t* ix = idx + t * k;
     const bool* vd = valid ? valid + t * k : nullptr;
     for (int64_t h = 0; h < n; ++h) {
-      load_row(qs.data() + h * d, q + (t * n + h) * d, d);
+      q.load(qs.data() + h * d, bi, t % z.s, h);
       for (int64_t i = 0; i < d; ++i) qs[h * d + i] *= scale;  // the scale goes on q
     }
     std::fill(o.begin(), o.end(), 0.f);
@@ -299,9 +316,9 @@ void forward_queries(const Dims& z, const T* q, const T* kv, const int64_t* idx,
 }
 
 template <typename T>
-void backward_queries(const Dims& z, const T* q, const T* kv, const int64_t* idx, const bool* valid,
-                      float scale, const Rows<T>& grad_out, const Rows<T>& out, const float* lse, T* grad_q,
-                      float* grad_kv, int64_t begin, int64_t end) {
+void backward_queries(const Dims& z, const QueryRows<T>& q, const T* kv, const int64_t* idx, const bool* valid,
+                      float scale, const Rows<T>& grad_out, const Rows<T>& out, const float* lse,
+                      const QueryRows<T>& grad_q, float* grad_kv, int64_t begin, int64_t end) {
   const int64_t n = z.n, d = z.d, dv = z.dv, k = z.k, B = z.block;
   // a = [q * scale ; dO | 0] (2n rows): a . buf^T gives the scores and dP in one GEMM, and
   // t = [dS ; P] against a gives both terms of the kv gradient in one GEMM.
@@ -316,7 +333,7 @@ void backward_queries(const Dims& z, const T* q, const T* kv, const int64_t* idx
     for (int64_t h = 0; h < n; ++h) {
       float* qa = a.data() + h * d;
       float* da = a.data() + (n + h) * d;
-      load_row(qa, q + (t * n + h) * d, d);
+      q.load(qa, bi, t % z.s, h);
       for (int64_t i = 0; i < d; ++i) qa[i] *= scale;
       load_row(da, grad_out.row(bi, t % z.s, h), dv);
       load_row(orow.data(), out.row(bi, t % z.s, h), dv);
@@ -360,22 +377,32 @@ void backward_queries(const Dims& z, const T* q, const T* kv, const int64_t* idx
         for (int64_t i = 0; i < d; ++i) dst[i] += src[i];
       }
     }
-    for (int64_t h = 0; h < n; ++h) store_row(grad_q + (t * n + h) * d, dq.data() + h * d, d, scale);
+    for (int64_t h = 0; h < n; ++h) grad_q.store(dq.data() + h * d, bi, t % z.s, h, scale);
   }
 }
 
-Dims dims_of(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& idx, const c10::optional<at::Tensor>& valid,
-             int64_t dv, int64_t block) {
+// q = [q_lat | q_pe] (the latent and rope pieces, [b, s, n, dv] and [b, s, n, d - dv]).
+Dims dims_of(const at::Tensor& q_lat, const at::Tensor& q_pe, const at::Tensor& kv, const at::Tensor& idx,
+             const c10::optional<at::Tensor>& valid, int64_t block) {
   TORCH_CHECK(!valid || (valid->scalar_type() == at::kBool && valid->sizes() == idx.sizes()),
               "sparse MLA: valid must be a bool tensor shaped like idx ", idx.sizes());
-  TORCH_CHECK(q.dim() == 4 && kv.dim() == 3 && idx.dim() == 3, "sparse MLA: q [b, s, n, D], kv [b, L, D], idx [b, s, k]");
-  TORCH_CHECK(q.is_contiguous() && kv.is_contiguous() && idx.is_contiguous(), "sparse MLA: contiguous inputs");
+  TORCH_CHECK(q_lat.dim() == 4 && q_pe.dim() == 4 && kv.dim() == 3 && idx.dim() == 3,
+              "sparse MLA: q_lat [b, s, n, dv], q_pe [b, s, n, D - dv], kv [b, L, D], idx [b, s, k]");
+  TORCH_CHECK(kv.is_contiguous() && idx.is_contiguous(), "sparse MLA: contiguous kv and idx");
   TORCH_CHECK(idx.scalar_type() == at::kLong, "sparse MLA: int64 indices");
-  TORCH_CHECK(q.scalar_type() != at::kDouble, "sparse MLA (CPU kernel): fp32/bf16/fp16 only");
-  TORCH_CHECK(kv.scalar_type() == q.scalar_type() && kv.size(0) == q.size(0) && kv.size(2) == q.size(3) &&
-                  idx.size(0) == q.size(0) && idx.size(1) == q.size(1) && dv <= q.size(3),
-              "sparse MLA: q ", q.sizes(), ", kv ", kv.sizes(), ", idx ", idx.sizes(), " and dv ", dv, " disagree");
-  return Dims{q.size(0), q.size(1), q.size(2), q.size(3), dv, idx.size(2), kv.size(1), block};
+  TORCH_CHECK(q_lat.scalar_type() != at::kDouble, "sparse MLA (CPU kernel): fp32/bf16/fp16 only");
+  const int64_t d = q_lat.size(3) + q_pe.size(3);
+  TORCH_CHECK(kv.scalar_type() == q_lat.scalar_type() && q_pe.scalar_type() == q_lat.scalar_type() &&
+                  q_pe.sizes().slice(0, 3) == q_lat.sizes().slice(0, 3) && kv.size(0) == q_lat.size(0) &&
+                  kv.size(2) == d && idx.size(0) == q_lat.size(0) && idx.size(1) == q_lat.size(1),
+              "sparse MLA: q_lat ", q_lat.sizes(), ", q_pe ", q_pe.sizes(), ", kv ", kv.sizes(), " and idx ",
+              idx.sizes(), " disagree");
+  return Dims{q_lat.size(0), q_lat.size(1), q_lat.size(2), d, q_lat.size(3), idx.size(2), kv.size(1), block};
+}
+
+template <typename T>
+QueryRows<T> query_rows(const at::Tensor& lat, const at::Tensor& pe, const Dims& z) {
+  return QueryRows<T>{Rows<T>::of(lat), Rows<T>::of(pe), z.dv, z.d};
 }
 
 // fn(t) for t in [0, threads) on the calling thread's OpenMP team, exceptions rethrown here.
@@ -428,21 +455,24 @@ struct PerThreadRows {
   at::Tensor sum() const { return threads == 1 ? buffers[0] : buffers.sum(0); }
 };
 
-std::vector<at::Tensor> forward(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& idx,
-                                const c10::optional<at::Tensor>& valid, double scale, int64_t dv, int64_t block) {
-  const Dims z = dims_of(q, kv, idx, valid, dv, block);
+std::vector<at::Tensor> forward(const at::Tensor& q_lat, const at::Tensor& q_pe, const at::Tensor& kv,
+                                const at::Tensor& idx, const c10::optional<at::Tensor>& valid, double scale,
+                                int64_t block) {
+  const Dims z = dims_of(q_lat, q_pe, kv, idx, valid, block);
   // o is written head-major ([n, b, s, dv], returned as a [b, s, n, dv] view): the W_UV
   // projection's per-head GEMM then reads it in place instead of a permuted copy
-  auto out = at::empty({z.n, z.b, z.s, dv}, q.options());
-  auto lse = at::empty({z.b, z.s, z.n}, q.options().dtype(at::kFloat));
-  auto head_probs = at::empty({z.b, z.s, z.k}, q.options().dtype(at::kFloat));
+  auto opts = q_lat.options();
+  auto out = at::empty({z.n, z.b, z.s, z.dv}, opts);
+  auto lse = at::empty({z.b, z.s, z.n}, opts.dtype(at::kFloat));
+  auto head_probs = at::empty({z.b, z.s, z.k}, opts.dtype(at::kFloat));
   at::Tensor valid_keep;
   const bool* vd = valid_data(valid, valid_keep);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "sparse_mla_cpu_forward", [&] {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q_lat.scalar_type(), "sparse_mla_cpu_forward", [&] {
     const int64_t threads = at::get_num_threads();
     const auto edges = split(z.b * z.s, threads);
+    const auto q = query_rows<scalar_t>(q_lat, q_pe, z);
     on_threads(threads, [&](int64_t t) {
-      forward_queries<scalar_t>(z, q.data_ptr<scalar_t>(), kv.data_ptr<scalar_t>(), idx.data_ptr<int64_t>(), vd,
+      forward_queries<scalar_t>(z, q, kv.data_ptr<scalar_t>(), idx.data_ptr<int64_t>(), vd,
                                 static_cast<float>(scale), out.data_ptr<scalar_t>(), lse.data_ptr<float>(),
                                 head_probs.data_ptr<float>(), edges[t], edges[t + 1]);
     });
@@ -450,25 +480,29 @@ std::vector<at::Tensor> forward(const at::Tensor& q, const at::Tensor& kv, const
   return {out.permute({1, 2, 0, 3}), lse, head_probs};
 }
 
-std::vector<at::Tensor> backward(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& idx,
-                                 const c10::optional<at::Tensor>& valid, double scale, int64_t dv, int64_t block,
-                                 const at::Tensor& grad_out, const at::Tensor& out, const at::Tensor& lse) {
-  const Dims z = dims_of(q, kv, idx, valid, dv, block);
-  auto grad_q = at::empty_like(q);
+// (d q_lat, d q_pe, d kv). d q_lat is head-major like o (the absorption's per-head GEMM reads its
+// gradient in place).
+std::vector<at::Tensor> backward(const at::Tensor& q_lat, const at::Tensor& q_pe, const at::Tensor& kv,
+                                 const at::Tensor& idx, const c10::optional<at::Tensor>& valid, double scale,
+                                 int64_t block, const at::Tensor& grad_out, const at::Tensor& out,
+                                 const at::Tensor& lse) {
+  const Dims z = dims_of(q_lat, q_pe, kv, idx, valid, block);
+  auto grad_lat = at::empty({z.n, z.b, z.s, z.dv}, q_lat.options()).permute({1, 2, 0, 3});
+  auto grad_pe = at::empty({z.b, z.s, z.n, z.d - z.dv}, q_pe.options());
   at::Tensor valid_keep;
   const bool* vd = valid_data(valid, valid_keep);
-  PerThreadRows grad_kv(z.b, z.L, z.d, q.options());
+  PerThreadRows grad_kv(z.b, z.L, z.d, q_lat.options());
   const auto edges = split(z.b * z.s, grad_kv.threads);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "sparse_mla_cpu_backward", [&] {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q_lat.scalar_type(), "sparse_mla_cpu_backward", [&] {
     const auto go = Rows<scalar_t>::of(grad_out), o = Rows<scalar_t>::of(out);
+    const auto q = query_rows<scalar_t>(q_lat, q_pe, z), dq = query_rows<scalar_t>(grad_lat, grad_pe, z);
     on_threads(grad_kv.threads, [&](int64_t t) {
-      backward_queries<scalar_t>(z, q.data_ptr<scalar_t>(), kv.data_ptr<scalar_t>(), idx.data_ptr<int64_t>(), vd,
-                                 static_cast<float>(scale), go, o,
-                                 lse.data_ptr<float>(), grad_q.data_ptr<scalar_t>(),
-                                 grad_kv.of(t), edges[t], edges[t + 1]);
+      backward_queries<scalar_t>(z, q, kv.data_ptr<scalar_t>(), idx.data_ptr<int64_t>(), vd,
+                                 static_cast<float>(scale), go, o, lse.data_ptr<float>(), dq, grad_kv.of(t),
+                                 edges[t], edges[t + 1]);
     });
   });
-  return {grad_q, grad_kv.sum().to(kv.scalar_type())};
+  return {grad_lat, grad_pe, grad_kv.sum().to(kv.scalar_type())};
 }
 
 // One query's indexer KL over its n candidate keys from the per-head scores ph [H, n] (row stride

@@ -86,10 +86,10 @@ def fits_cpu_kernel(q: torch.Tensor) -> bool:
 
 class SparseLatentAttentionCPU(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, kv, idx, valid, scale: float, dv: int):
-        out, lse, head_probs = cpu_kernel().forward(q, kv, idx, valid, scale, dv, KEY_BLOCK)
-        ctx.save_for_backward(q, kv, idx, valid, out, lse)
-        ctx.scale, ctx.dv = scale, dv
+    def forward(ctx, q_lat, q_pe, kv, idx, valid, scale: float):
+        out, lse, head_probs = cpu_kernel().forward(q_lat, q_pe, kv, idx, valid, scale, KEY_BLOCK)
+        ctx.save_for_backward(q_lat, q_pe, kv, idx, valid, out, lse)
+        ctx.scale = scale
         ctx.mark_non_differentiable(head_probs)
         ctx.set_materialize_grads(False)  # no zero-filled [b, s, k] gradient for head_probs
         return out, head_probs
@@ -98,17 +98,21 @@ class SparseLatentAttentionCPU(torch.autograd.Function):
     def backward(ctx, grad_out, _grad_head_probs):
         if grad_out is None:
             return (None,) * 6
-        q, kv, idx, valid, out, lse = ctx.saved_tensors
+        q_lat, q_pe, kv, idx, valid, out, lse = ctx.saved_tensors
         if grad_out.stride(-1) != 1:
             grad_out = grad_out.contiguous()
-        grad_q, grad_kv = cpu_kernel().backward(q, kv, idx, valid, ctx.scale, ctx.dv, KEY_BLOCK,
-                                                grad_out, out, lse)
-        return grad_q, grad_kv, None, None, None, None
+        grad_lat, grad_pe, grad_kv = cpu_kernel().backward(q_lat, q_pe, kv, idx, valid, ctx.scale, KEY_BLOCK,
+                                                           grad_out, out, lse)
+        return grad_lat, grad_pe, grad_kv, None, None, None
 
 
-def sparse_mla_cpu(q, kv, idx, valid, scale: float, dv: int):
-    """Same contract as ``sparse_latent_attention`` (q, kv contiguous; valid may be None when
-    every selected key is visible). Returns (o [b, s, n, dv] in q's dtype, a view of head-major
-    storage [n, b, s, dv]; head_probs [b, s, k] fp32). o is kept for the backward (delta =
-    rowsum(dO o)); a per-head GEMM on ``o.permute(2, 0, 1, 3)`` reads and keeps that same storage."""
-    return SparseLatentAttentionCPU.apply(q, kv, idx, valid, scale, dv)
+def sparse_mla_cpu(q_lat, q_pe, kv, idx, valid, scale: float):
+    """``sparse_latent_attention`` for the absorbed query given as its two pieces, never
+    concatenated: the latent part q_lat [b, s, n, dv] (dv = the values' width) and the rope part
+    q_pe [b, s, n, D - dv], each in any layout whose last dim is contiguous (the absorption GEMM's
+    head-major output and a slice of the query are read in place; d q_lat comes head-major too).
+    kv [b, L, D] contiguous; valid may be None when every selected key is visible. Returns
+    (o [b, s, n, dv] in q's dtype, a view of head-major storage [n, b, s, dv]; head_probs
+    [b, s, k] fp32). o is kept for the backward (delta = rowsum(dO o)); a per-head GEMM on
+    ``o.permute(2, 0, 1, 3)`` reads and keeps that same storage."""
+    return SparseLatentAttentionCPU.apply(q_lat, q_pe, kv, idx, valid, scale)
