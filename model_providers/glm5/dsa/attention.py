@@ -142,6 +142,30 @@ def _document_ids(attention_mask):
     return attention_mask
 
 
+class _KeyReads(torch.autograd.Function):
+    """What sparse mode reads of megatron's per-head key [L, b, n, qk + rope]: the dense prefix's
+    rows (a copy of ``key[:kp]``) and every key's rotary part (shared by the heads: head 0's,
+    [L, b, rope]). The backward builds the key's gradient once (as slices, each read would
+    get its own zero-filled full-size gradient, summed after)."""
+
+    @staticmethod
+    def forward(ctx, key, kp: int, nope: int):
+        ctx.kp, ctx.nope, ctx.shape = kp, nope, key.shape
+        ctx.set_materialize_grads(False)  # a CP rank without prefix rows reads no key rows
+        return key[:kp].clone(), key[:, :, 0, nope:].clone()
+
+    @staticmethod
+    def backward(ctx, grad_head, grad_rope):
+        if grad_head is None and grad_rope is None:
+            return None, None, None
+        grad = (grad_rope if grad_head is None else grad_head).new_zeros(ctx.shape)
+        if grad_head is not None:
+            grad[:ctx.kp] = grad_head
+        if grad_rope is not None:
+            grad[:, :, 0, ctx.nope:] += grad_rope
+        return grad, None, None
+
+
 class DSACoreAttention(MegatronModule):
     """Core attention for every DSA mode. query [s, b, n, qk] (this rank's queries), key
     [L, b, n, qk] and value [L, b, n, v] (the full sequence; L = s without CP) with local (TP)
@@ -219,36 +243,41 @@ class DSACoreAttention(MegatronModule):
         topk, chunk = self.dsa.topk, self.dsa.query_chunk
         kp = min(topk, key.shape[0])
         prefix = layout.rows_before(topk)
+        # one split and one read of the key (their backwards build each full-size gradient once;
+        # a slice per use builds a zero-filled one each, summed after)
+        q_head, q_rest = query.split([prefix, s - prefix])
+        k_head, k_rope = _KeyReads.apply(key, kp, self.config.qk_head_dim)
         outs, kl = [], iq.new_zeros((), dtype=torch.float32)
         if prefix:
             head = layout.rows(0, prefix, kp)
-            outs.append(self._dense(query[:prefix], key[:kp], value[:kp], head))
-            kl = dense_kl(iq[:, :prefix], ik[:, :kp], iw[:, :prefix], query[:prefix], key[:kp],
+            outs.append(self._dense(q_head, k_head, value[:kp], head))
+            kl = dense_kl(iq[:, :prefix], ik[:, :kp], iw[:, :prefix], q_head, k_head,
                           self.softmax_scale, chunk, tp_group, head,
                           use_cpu_kernel(self.dsa.kernels, query)) * prefix
         if prefix < s:
-            rest_out, rest_kl = self._sparse_rest(query, key, mla, iq, ik, iw, prefix, tp_group,
+            rest_out, rest_kl = self._sparse_rest(q_rest, k_rope, mla, iq, ik, iw, prefix, tp_group,
                                                   layout)
             outs.append(rest_out)
             kl = kl + rest_kl * (s - prefix)
         out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
         return out, kl / s
 
-    def _sparse_rest(self, query, key, mla: MLAIntermediates, iq, ik, iw, first: int, tp_group,
-                     layout):
-        """Absorbed-form sparse attention for query rows ``first..s-1`` over their top-k keys."""
+    def _sparse_rest(self, query, k_rope, mla: MLAIntermediates, iq, ik, iw, first: int,
+                     tp_group, layout):
+        """Absorbed-form sparse attention for query rows ``first..s-1`` (``query`` holds them)
+        over their top-k keys; ``k_rope`` [L, b, rope]: every key's rotary part."""
         cfg = self.config
         nope, rope, dv = cfg.qk_head_dim, cfg.qk_pos_emb_head_dim, cfg.v_head_dim
-        s, b, n, _ = query.shape
+        rows, b, n, _ = query.shape
         triton = use_triton_kernels(self.dsa.kernels, query)
         fused = not triton and use_cpu_kernel(self.dsa.kernels, query)
         idx, valid = select_topk(iq[:, first:].detach(), ik.detach(), iw[:, first:].detach(),
                                  self.dsa.topk, self.dsa.query_chunk, self.dsa.indexer_dtype,
                                  first, layout, triton, fused)
-        lora, rows = cfg.kv_lora_rank, s - first
+        lora = cfg.kv_lora_rank
         w = mla.kv_up_weight.view(n, nope + dv, lora)
         w_uk, w_uv = w[:, :nope], w[:, nope:]
-        q_nope, q_pe = query[first:].split([nope, rope], dim=-1)
+        q_nope, q_pe = query.split([nope, rope], dim=-1)
         # W_UK per head as one bmm over [n, b * rows, nope]: the absorbed query's latent part
         # comes head-major, [b, rows, n, lora] as a view
         q_lat = torch.bmm(q_nope.permute(2, 1, 0, 3).reshape(n, b * rows, nope), w_uk)
@@ -257,7 +286,7 @@ class DSACoreAttention(MegatronModule):
         c = mla.kv_full
         if c is None:
             c = _full_sequence(mla.kv_latent, cfg.sequence_parallel)
-        kv = torch.cat([c, key[:, :, 0, nope:]], dim=-1).transpose(0, 1).contiguous()  # [b, L, lora + rope]
+        kv = torch.cat([c, k_rope], dim=-1).transpose(0, 1).contiguous()  # [b, L, lora + rope]
         if fused:  # reads both pieces in place: no [b, rows, n, lora + rope] concatenation
             o_lat, head_probs = sparse_mla_cpu(q_lat, q_pe, kv, idx,
                                                None if all_visible(valid) else valid, self.softmax_scale)
