@@ -156,9 +156,7 @@ class _KeyReads(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_head, grad_rope):
-        if grad_head is None and grad_rope is None:
-            return None, None, None
-        grad = (grad_rope if grad_head is None else grad_head).new_zeros(ctx.shape)
+        grad = (grad_rope if grad_head is None else grad_head).new_zeros(ctx.shape)  # one of them is set
         if grad_head is not None:
             grad[:ctx.kp] = grad_head
         if grad_rope is not None:
@@ -290,13 +288,13 @@ class DSACoreAttention(MegatronModule):
         if fused:  # reads both pieces in place: no [b, rows, n, lora + rope] concatenation
             o_lat, head_probs = sparse_mla_cpu(q_lat, q_pe, kv, idx,
                                                None if all_visible(valid) else valid, self.softmax_scale)
-        elif triton:
-            o_lat, head_probs = sparse_mla_triton(torch.cat([q_lat, q_pe], dim=-1).contiguous(), kv, idx, valid,
-                                                  self.softmax_scale, lora)
         else:
-            o_lat, head_probs = sparse_latent_attention(
-                torch.cat([q_lat, q_pe], dim=-1).contiguous(), kv, idx, valid, self.softmax_scale, lora,
-                self.dsa.query_chunk)
+            q_abs = torch.cat([q_lat, q_pe], dim=-1).contiguous()
+            if triton:
+                o_lat, head_probs = sparse_mla_triton(q_abs, kv, idx, valid, self.softmax_scale, lora)
+            else:
+                o_lat, head_probs = sparse_latent_attention(q_abs, kv, idx, valid, self.softmax_scale,
+                                                            lora, self.dsa.query_chunk)
         # W_UV per head as one bmm over [n, b * rows, c]: a view when o_lat is head-major (the
         # fused CPU kernel's), so the storage the kernel keeps is the one this GEMM keeps
         o_heads = o_lat.permute(2, 0, 1, 3).reshape(n, b * rows, lora)
