@@ -15,10 +15,10 @@ from tests.unit.test_dsa_layer import outputs_per_kernel_choice
 N, D, DV = 4, 40, 32  # heads, latent + rope, latent (values)
 
 
-def _inputs(b, s, L, k, dtype, hidden: bool, seed=0):
+def _inputs(b, s, L, k, dtype, hidden: bool, seed=0, heads=N, d=D):
     g = torch.Generator().manual_seed(seed)
-    q = torch.randn(b, s, N, D, generator=g).to(dtype)
-    kv = torch.randn(b, L, D, generator=g).to(dtype)
+    q = torch.randn(b, s, heads, d, generator=g).to(dtype)
+    kv = torch.randn(b, L, d, generator=g).to(dtype)
     idx = torch.stack([torch.randperm(L, generator=g)[:k] for _ in range(b * s)]).view(b, s, k)
     if hidden:  # some selected keys hidden (future / other document); every query sees one at least
         valid = torch.rand(b, s, k, generator=g) < 0.6
@@ -42,12 +42,15 @@ def _worst(a, b):
 
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 2e-6), (torch.bfloat16, 1e-2)])
 @pytest.mark.parametrize("hidden", [False, True])
-def test_fused_cpu_kernel_equals_torch_path(dtype, tol, hidden, monkeypatch):
+# the micro-kernels' tiles: 4 heads fill part of one vector; 11 heads (22 rows backward) take every
+# head-tile size and a second vector, and dv = 36 puts a column chunk across the latent/rope edge
+@pytest.mark.parametrize("heads, d, dv", [(N, D, DV), (11, 44, 36)])
+def test_fused_cpu_kernel_equals_torch_path(dtype, tol, hidden, heads, d, dv, monkeypatch):
     monkeypatch.setattr(fused, "KEY_BLOCK", 16)  # k = 37: two full key blocks and a partial one
-    q, kv, idx, valid = _inputs(2, 9, 70, 37, dtype, hidden)
-    scale = D ** -0.5
-    want = _run(lambda q, kv: SparseLatentAttention.apply(q, kv, idx, valid, scale, DV, 4), q, kv)
-    got = _run(lambda q, kv: fused.sparse_mla_cpu(q[..., :DV], q[..., DV:], kv, idx, valid if hidden else None,
+    q, kv, idx, valid = _inputs(2, 9, 70, 37, dtype, hidden, heads=heads, d=d)
+    scale = d ** -0.5
+    want = _run(lambda q, kv: SparseLatentAttention.apply(q, kv, idx, valid, scale, dv, 4), q, kv)
+    got = _run(lambda q, kv: fused.sparse_mla_cpu(q[..., :dv], q[..., dv:], kv, idx, valid if hidden else None,
                                                   scale), q, kv)
     assert [t.dtype for t in got] == [t.dtype for t in want]
     assert got[0].permute(2, 0, 1, 3).is_contiguous()  # head-major o: W_UV's per-head GEMM reads it in place

@@ -2,8 +2,9 @@
 // selected latent rows are gathered a key block at a time into a thread-local buffer that stays in
 // L2 while the block's GEMMs read it (torch's own gather + bmm writes and rereads every query's
 // k x 576 rows through memory, which is what held the op-by-op version at ~55% of the GEMM
-// ceiling). The GEMMs are BLAS calls (the BLAS torch links); queries are split over the intra-op
-// threads. Semantics, shapes and precision are those of sparse_attention.SparseLatentAttention:
+// ceiling). The GEMMs are this file's register-tiled micro-kernels (one side is the n heads: BLAS
+// ran those shapes at 2/3 of its square-GEMM rate, packing panels it reads once); queries are
+// split over the intra-op threads. Semantics, shapes and precision are those of sparse_attention.SparseLatentAttention:
 // fp32 statistics (scores, log-sum-exp, probabilities, delta, dq/dkv sums), the inputs upcast a
 // row at a time, only o, dq and dkv rounded to the input dtype.
 //
@@ -23,25 +24,15 @@
 #include <type_traits>
 #include <vector>
 
-// The BLAS torch itself links (MKL on x86 wheels, OpenBLAS on arm), LP64 Fortran interface.
-extern "C" void sgemm_(const char* transa, const char* transb, const int* m, const int* n, const int* k,
-                       const float* alpha, const float* a, const int* lda, const float* b, const int* ldb,
-                       const float* beta, float* c, const int* ldc);
-
 namespace {
 
-enum class Op : char { N = 'N', T = 'T' };
-
-// Column-major C[m, n] = alpha op(A) op(B) + beta C. Every call below computes a row-major
-// product C = A B as C^T = B^T A^T, so it names the operands in swapped order.
-inline void gemm(Op ta, Op tb, int64_t m, int64_t n, int64_t k, float alpha, const float* a, int64_t lda,
-                 const float* b, int64_t ldb, float beta, float* c, int64_t ldc) {
-  const char ca = static_cast<char>(ta), cb = static_cast<char>(tb);
-  const int im = m, in = n, ik = k, ila = lda, ilb = ldb, ilc = ldc;
-  sgemm_(&ca, &cb, &im, &in, &ik, &alpha, a, &ila, b, &ilb, &beta, c, &ilc);
-}
-
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+// An additive mask over one query's k selected keys: -inf where the key is hidden, 0 elsewhere
+// (all 0 without a valid mask), so masked and unmasked rows take the same vector loops.
+inline void hidden_keys(float* hide, const bool* valid, int64_t k) {
+  for (int64_t j = 0; j < k; ++j) hide[j] = valid && !valid[j] ? kNegInf : 0.f;
+}
 
 // exp(x) for x <= 0 (every exponent here is a score minus a running max or a log-sum-exp): 2^j *
 // p(r) with j = round(x / ln2), r = x - j ln2, |r| <= ln2 / 2, and the degree-7 Taylor polynomial
@@ -68,7 +59,7 @@ inline VecF load_vec(const float* p) {
   return v;
 }
 inline void store_vec(float* p, const VecF& v) { std::memcpy(p, &v, sizeof(v)); }
-inline VecF splat(float x) { return VecF{} + x; }
+inline VecF splat(float x) { return x - VecF{}; }  // x - 0 is x for every x (0 + x is not: -0), so it folds to a broadcast
 
 inline int32_t to_int(float x) { return static_cast<int32_t>(x); }
 inline VecI to_int(const VecF& x) { return __builtin_convertvector(x, VecI); }
@@ -224,6 +215,188 @@ inline void gather_rows(float* buf, const T* kv, const int64_t* idx, int64_t row
   }
 }
 
+// Micro-kernels for the sparse core's GEMMs. One side of each is small (the n heads, or 2n), so
+// BLAS runs them far from its peak (MKL: ~49 GFLOP/s a core at 16 rows against ~73 for square
+// shapes, much of it spent packing panels it reads once). Each kernel below keeps a tile of outputs
+// in vector registers (kAccRegs accumulators) and streams the other side once: the FMA ports, not
+// the loads, bound it. Sums run over the inner index in order (deterministic, thread-count free).
+constexpr int kAccRegs = kLanes == 16 ? 24 : 12;  // of AVX-512's 32 / AVX2's 16 vector registers
+
+// c[h * ldc + j] = sum_p rows[j * ld + p] panel[p * np + h] for j < m, h < nh (nh <= V lanes):
+// R rows against V vectors of heads. `panel` is the small side transposed ([d, np]).
+template <int R, int V>
+inline void rows_panel_tile(float* c, int64_t ldc, const float* rows, int64_t ld, const float* panel, int64_t np,
+                            int64_t d, int64_t nh) {
+  VecF acc[R][V] = {};
+  for (int64_t p = 0; p < d; ++p) {
+    VecF w[V];
+    for (int v = 0; v < V; ++v) w[v] = load_vec(panel + p * np + v * kLanes);
+    for (int r = 0; r < R; ++r) {
+      const VecF x = splat(rows[r * ld + p]);
+      for (int v = 0; v < V; ++v) acc[r][v] += x * w[v];
+    }
+  }
+  float tmp[V * kLanes];
+  for (int r = 0; r < R; ++r) {
+    for (int v = 0; v < V; ++v) store_vec(tmp + v * kLanes, acc[r][v]);
+    for (int64_t h = 0; h < nh; ++h) c[h * ldc + r] = tmp[h];
+  }
+}
+
+template <int V>
+void rows_panel(float* c, int64_t ldc, const float* rows, int64_t ld, int64_t m, const float* panel, int64_t np,
+                int64_t d, int64_t nh) {
+  constexpr int R = kAccRegs / V;
+  int64_t j = 0;
+  for (; j + R <= m; j += R) rows_panel_tile<R, V>(c + j, ldc, rows + j * ld, ld, panel, np, d, nh);
+  for (; j + 4 <= m; j += 4) rows_panel_tile<4, V>(c + j, ldc, rows + j * ld, ld, panel, np, d, nh);
+  for (; j + 2 <= m; j += 2) rows_panel_tile<2, V>(c + j, ldc, rows + j * ld, ld, panel, np, d, nh);
+  for (; j < m; ++j) rows_panel_tile<1, V>(c + j, ldc, rows + j * ld, ld, panel, np, d, nh);
+}
+
+// c [n, m] (row stride ldc) = P^T . rows^T: c[h * ldc + j] = sum_p rows[j * ld + p] panel[p * np + h]
+// for j < m, h < n; panel [d, np] with np >= n a multiple of kLanes (columns past n are read, not
+// stored). Heads in chunks of up to 4 vectors.
+inline void rows_times_panel(float* c, int64_t ldc, const float* rows, int64_t ld, int64_t m, const float* panel,
+                             int64_t np, int64_t n, int64_t d) {
+  for (int64_t h0 = 0; h0 < n; h0 += 2 * kLanes) {
+    const int64_t nh = std::min<int64_t>(2 * kLanes, n - h0);
+    float* ch = c + h0 * ldc;
+    if (nh > kLanes)
+      rows_panel<2>(ch, ldc, rows, ld, m, panel + h0, np, d, nh);
+    else
+      rows_panel<1>(ch, ldc, rows, ld, m, panel + h0, np, d, nh);
+  }
+}
+
+// The transposed, lane-padded panel of a [n, d] (row stride lda): panel[p * np + h] = a[h][p].
+inline int64_t padded(int64_t n) { return (n + kLanes - 1) / kLanes * kLanes; }
+inline void transpose_panel(float* panel, const float* a, int64_t lda, int64_t n, int64_t d) {
+  const int64_t np = padded(n);
+  for (int64_t p = 0; p < d; ++p)
+    for (int64_t h = 0; h < np; ++h) panel[p * np + h] = h < n ? a[h * lda + p] : 0.f;
+}
+
+// Rows gathered for the micro-kernels start on a cache line (the row length is a multiple of 16
+// floats at GLM-5's shapes): a column chunk of 16 floats is then one line, not two (measured: the
+// panel-times-rows kernels went from ~54 to ~65 GFLOP/s a core).
+struct LineAligned {
+  std::vector<float> storage;
+  float* p;
+  explicit LineAligned(int64_t size) : storage(size + 16) {
+    const auto at = reinterpret_cast<uintptr_t>(storage.data());
+    p = storage.data() + ((64 - at % 64) % 64) / sizeof(float);
+  }
+  float* data() { return p; }
+};
+
+// c[h * ldc + i] += sum_j pm[h * ldp + j] rows[j * ld + i] for h < H, i < C vectors, j < m.
+template <int H, int C>
+inline void panel_rows_tile(float* c, int64_t ldc, const float* pm, int64_t ldp, const float* rows, int64_t ld,
+                            int64_t m) {
+  VecF acc[H][C];
+  for (int h = 0; h < H; ++h)
+    for (int v = 0; v < C; ++v) acc[h][v] = load_vec(c + h * ldc + v * kLanes);
+  for (int64_t j = 0; j < m; ++j) {
+    VecF w[C];
+    for (int v = 0; v < C; ++v) w[v] = load_vec(rows + j * ld + v * kLanes);
+    for (int h = 0; h < H; ++h) {
+      const VecF x = splat(pm[h * ldp + j]);
+      for (int v = 0; v < C; ++v) acc[h][v] += x * w[v];
+    }
+  }
+  for (int h = 0; h < H; ++h)
+    for (int v = 0; v < C; ++v) store_vec(c + h * ldc + v * kLanes, acc[h][v]);
+}
+
+template <int C>
+void panel_rows(float* c, int64_t ldc, const float* pm, int64_t ldp, int64_t n, const float* rows, int64_t ld,
+                int64_t m) {
+  constexpr int H = kAccRegs / 2;
+  int64_t h = 0;
+  for (; h + H <= n; h += H) panel_rows_tile<H, C>(c + h * ldc, ldc, pm + h * ldp, ldp, rows, ld, m);
+  for (; h + 4 <= n; h += 4) panel_rows_tile<4, C>(c + h * ldc, ldc, pm + h * ldp, ldp, rows, ld, m);
+  for (; h + 2 <= n; h += 2) panel_rows_tile<2, C>(c + h * ldc, ldc, pm + h * ldp, ldp, rows, ld, m);
+  for (; h < n; ++h) panel_rows_tile<1, C>(c + h * ldc, ldc, pm + h * ldp, ldp, rows, ld, m);
+}
+
+// c [n, cols] (row stride ldc) += pm [n, m] (row stride ldp) . rows [m, cols] (row stride ld):
+// columns in chunks of 3 vectors (the chunk's rows stay in L1 across head tiles), then 1, then
+// scalar columns.
+inline void panel_times_rows(float* c, int64_t ldc, const float* pm, int64_t ldp, int64_t n, const float* rows,
+                             int64_t ld, int64_t m, int64_t cols) {
+  int64_t i = 0;
+  for (; i + 2 * kLanes <= cols; i += 2 * kLanes) panel_rows<2>(c + i, ldc, pm, ldp, n, rows + i, ld, m);
+  for (; i + kLanes <= cols; i += kLanes) panel_rows<1>(c + i, ldc, pm, ldp, n, rows + i, ld, m);
+  for (; i < cols; ++i)
+    for (int64_t h = 0; h < n; ++h) {
+      float acc = c[h * ldc + i];
+      for (int64_t j = 0; j < m; ++j) acc += pm[h * ldp + j] * rows[j * ld + i];
+      c[h * ldc + i] = acc;
+    }
+}
+
+// dst[r][i] += sum_g coef[g * ldk + r] a[g * lda + i] for r < R, i < C vectors, g < G.
+template <int R, int C>
+inline void scatter_tile(float* const* dst, float* const* later, int64_t i, const float* coef, int64_t ldk,
+                         const float* a, int64_t lda, int64_t G) {
+  if (later)  // the next tile's rows, the lines of this column chunk
+    for (int r = 0; r < R; ++r)
+      for (int64_t c = 0; c < C * kLanes; c += 16) __builtin_prefetch(later[r] + i + c, 1);
+  VecF acc[R][C] = {};
+  for (int64_t g = 0; g < G; ++g) {
+    VecF w[C];
+    for (int v = 0; v < C; ++v) w[v] = load_vec(a + g * lda + i + v * kLanes);
+    for (int r = 0; r < R; ++r) {
+      const VecF x = splat(coef[g * ldk + r]);
+      for (int v = 0; v < C; ++v) acc[r][v] += x * w[v];
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < C; ++v) store_vec(dst[r] + i + v * kLanes, load_vec(dst[r] + i + v * kLanes) + acc[r][v]);
+}
+
+template <int R>
+inline void scatter_rows(float* const* dst, float* const* later, const float* coef, int64_t ldk, const float* a,
+                         int64_t lda, int64_t G, int64_t G_tail, int64_t tail_from, int64_t cols) {
+  int64_t i = 0;
+  for (; i + 2 * kLanes <= cols; i += 2 * kLanes)
+    scatter_tile<R, 2>(dst, later, i, coef, ldk, a, lda, i >= tail_from ? G_tail : G);
+  for (; i + kLanes <= cols; i += kLanes)
+    scatter_tile<R, 1>(dst, later, i, coef, ldk, a, lda, i >= tail_from ? G_tail : G);
+  for (; i < cols; ++i)
+    for (int r = 0; r < R; ++r) {
+      float acc = 0.f;
+      for (int64_t g = 0; g < (i >= tail_from ? G_tail : G); ++g) acc += coef[g * ldk + r] * a[g * lda + i];
+      dst[r][i] += acc;
+    }
+}
+
+// out[idx[j]] += sum_g coef[g * ldk + j] a[g] for j < m, the rows of a [G, cols] (row stride lda)
+// weighted by coef [G, m] (row stride ldk), added straight into the scattered destination rows of
+// out (row stride cols): the [m, cols] product is never written. Columns from tail_from on sum only
+// the first G_tail rows of a (the rest are zero there). The next tile's destination rows are
+// prefetched for writing a column chunk at a time, spread over this tile's work.
+inline void add_product_rows(float* out, const int64_t* idx, int64_t m, const float* coef, int64_t ldk,
+                             const float* a, int64_t lda, int64_t G, int64_t G_tail, int64_t tail_from,
+                             int64_t cols) {
+  constexpr int R = kAccRegs / 2;
+  float* dst[R];
+  float* later[R];
+  int64_t j = 0;
+  for (; j + R <= m; j += R) {
+    for (int r = 0; r < R; ++r) {
+      dst[r] = out + idx[j + r] * cols;
+      later[r] = out + idx[std::min(j + R + r, m - 1)] * cols;
+    }
+    scatter_rows<R>(dst, j + R < m ? later : nullptr, coef + j, ldk, a, lda, G, G_tail, tail_from, cols);
+  }
+  for (; j < m; ++j) {
+    dst[0] = out + idx[j] * cols;
+    scatter_rows<1>(dst, nullptr, coef + j, ldk, a, lda, G, G_tail, tail_from, cols);
+  }
+}
+
 // [b, s, n, d] rows in any layout with contiguous last dim (q's pieces, o and dO are read in
 // place; dq's pieces written in place).
 template <typename T>
@@ -261,16 +434,20 @@ template <typename T>
 void forward_queries(const Dims& z, const QueryRows<T>& q, const T* kv, const int64_t* idx, const bool* valid,
                      float scale, T* out, float* lse, float* head_probs, int64_t begin, int64_t end) {
   const int64_t n = z.n, d = z.d, dv = z.dv, k = z.k, B = z.block;
-  std::vector<float> qs(n * d), buf(B * d), scores(n * k), p(n * B), o(n * dv), m(n), l(n);
+  std::vector<float> qs(n * d), qp(d * padded(n)), scores(n * k), p(n * B), o(n * dv), m(n), l(n),
+      hide(k);
+  LineAligned buf(B * d);
   for (int64_t t = begin; t < end; ++t) {
     const int64_t bi = t / z.s;
     const T* kv_b = kv + bi * z.L * d;
     const int64_t* ix = idx + t * k;
     const bool* vd = valid ? valid + t * k : nullptr;
+    hidden_keys(hide.data(), vd, k);
     for (int64_t h = 0; h < n; ++h) {
       q.load(qs.data() + h * d, bi, t % z.s, h);
       for (int64_t i = 0; i < d; ++i) qs[h * d + i] *= scale;  // the scale goes on q
     }
+    transpose_panel(qp.data(), qs.data(), d, n, d);
     std::fill(o.begin(), o.end(), 0.f);
     std::fill(m.begin(), m.end(), kNegInf);
     std::fill(l.begin(), l.end(), 0.f);
@@ -278,13 +455,14 @@ void forward_queries(const Dims& z, const QueryRows<T>& q, const T* kv, const in
       const int64_t nb = std::min(B, k - j0);
       gather_rows(buf.data(), kv_b, ix + j0, nb, k - j0, d, z.L);
       // scores[:, j0:j0+nb] = qs [n, d] . buf[nb, d]^T
-      gemm(Op::T, Op::N, nb, n, d, 1.f, buf.data(), d,
-           qs.data(), d, 0.f, scores.data() + j0, k);
+      rows_times_panel(scores.data() + j0, k, buf.data(), d, nb, qp.data(), padded(n), n, d);
       for (int64_t h = 0; h < n; ++h) {
         float* sr = scores.data() + h * k + j0;
-        if (vd)
-          for (int64_t j = 0; j < nb; ++j)
-            if (!vd[j0 + j]) sr[j] = kNegInf;
+        if (vd) {
+          int64_t j = 0;
+          for (; j + kLanes <= nb; j += kLanes) store_vec(sr + j, load_vec(sr + j) + load_vec(hide.data() + j0 + j));
+          for (; j < nb; ++j) sr[j] += hide[j0 + j];
+        }
         const float mn = std::max(m[h], max_of(sr, nb));
         float* pr = p.data() + h * B;
         if (mn == kNegInf) {  // nothing visible yet for this head
@@ -300,8 +478,7 @@ void forward_queries(const Dims& z, const QueryRows<T>& q, const T* kv, const in
         m[h] = mn;
       }
       // o [n, dv] += p [n, nb] . buf[nb, :dv]
-      gemm(Op::N, Op::N, dv, n, nb, 1.f, buf.data(), d,
-           p.data(), B, 1.f, o.data(), dv);
+      panel_times_rows(o.data(), dv, p.data(), B, n, buf.data(), d, nb, dv);
     }
     float* hp = head_probs + t * k;
     std::fill(hp, hp + k, 0.f);
@@ -320,16 +497,19 @@ void backward_queries(const Dims& z, const QueryRows<T>& q, const T* kv, const i
                       float scale, const Rows<T>& grad_out, const Rows<T>& out, const float* lse,
                       const QueryRows<T>& grad_q, float* grad_kv, int64_t begin, int64_t end) {
   const int64_t n = z.n, d = z.d, dv = z.dv, k = z.k, B = z.block;
-  // a = [q * scale ; dO | 0] (2n rows): a . buf^T gives the scores and dP in one GEMM, and
-  // t = [dS ; P] against a gives both terms of the kv gradient in one GEMM.
-  std::vector<float> a(2 * n * d, 0.f), buf(B * d), tb(2 * n * B), dkv(B * d), dq(n * d), delta(n),
-      orow(dv);
+  // a = [q * scale ; dO | 0] (2n rows): t = [dS ; P] against a gives both terms of the kv gradient
+  // in one product. qp, dp: a's halves transposed for the scores and dP (dP over the dv latent
+  // columns only: dO's row is zero past them).
+  std::vector<float> a(2 * n * d, 0.f), qp(d * padded(n)), dp(dv * padded(n)), tb(2 * n * B), dq(n * d), delta(n),
+      orow(dv), hide(k);
+  LineAligned buf(B * d);
   for (int64_t t = begin; t < end; ++t) {
     const int64_t bi = t / z.s;
     const T* kv_b = kv + bi * z.L * d;
     float* gkv_b = grad_kv + bi * z.L * d;
     const int64_t* ix = idx + t * k;
     const bool* vd = valid ? valid + t * k : nullptr;
+    hidden_keys(hide.data(), vd, k);
     for (int64_t h = 0; h < n; ++h) {
       float* qa = a.data() + h * d;
       float* da = a.data() + (n + h) * d;
@@ -341,41 +521,35 @@ void backward_queries(const Dims& z, const QueryRows<T>& q, const T* kv, const i
       for (int64_t i = 0; i < dv; ++i) acc += da[i] * orow[i];
       delta[h] = acc;
     }
+    transpose_panel(qp.data(), a.data(), d, n, d);
+    transpose_panel(dp.data(), a.data() + n * d, d, n, dv);
     std::fill(dq.begin(), dq.end(), 0.f);
     for (int64_t j0 = 0; j0 < k; j0 += B) {
       const int64_t nb = std::min(B, k - j0);
       gather_rows(buf.data(), kv_b, ix + j0, nb, k - j0, d, z.L);
-      gemm(Op::T, Op::N, nb, 2 * n, d, 1.f, buf.data(), d,
-           a.data(), d, 0.f, tb.data(), B);
+      rows_times_panel(tb.data(), B, buf.data(), d, nb, qp.data(), padded(n), n, d);
+      rows_times_panel(tb.data() + n * B, B, buf.data(), d, nb, dp.data(), padded(n), n, dv);
       for (int64_t h = 0; h < n; ++h) {
         float* s_ds = tb.data() + h * B;        // scores -> dS / scale
         float* dp_p = tb.data() + (n + h) * B;  // dP -> P
         const float lh = lse[t * n + h], dh = delta[h];
+        const float* hb = hide.data() + j0;  // hidden keys: exp(-inf) = 0
         int64_t j = 0;
-        if (!vd)
-          for (; j + kLanes <= nb; j += kLanes) {
-            const VecF pj = exp_nonpositive(load_vec(s_ds + j) - lh);
-            store_vec(s_ds + j, pj * (load_vec(dp_p + j) - dh));
-            store_vec(dp_p + j, pj);
-          }
+        for (; j + kLanes <= nb; j += kLanes) {
+          const VecF pj = exp_nonpositive(load_vec(s_ds + j) - lh + load_vec(hb + j));
+          store_vec(s_ds + j, pj * (load_vec(dp_p + j) - dh));
+          store_vec(dp_p + j, pj);
+        }
         for (; j < nb; ++j) {
-          const float pj = (vd && !vd[j0 + j]) ? 0.f : exp_nonpositive(s_ds[j] - lh);
+          const float pj = exp_nonpositive(s_ds[j] - lh + hb[j]);
           s_ds[j] = pj * (dp_p[j] - dh);
           dp_p[j] = pj;
         }
       }
       // dq [n, d] += dS [n, nb] . buf [nb, d]
-      gemm(Op::N, Op::N, d, n, nb, 1.f, buf.data(), d,
-           tb.data(), B, 1.f, dq.data(), d);
-      // dkv [nb, d] = [dS ; P]^T [nb, 2n] . a [2n, d]
-      gemm(Op::N, Op::T, d, nb, 2 * n, 1.f, a.data(), d,
-           tb.data(), B, 0.f, dkv.data(), d);
-      for (int64_t r = 0; r < nb; ++r) {
-        if (r + kPrefetchRows < nb) prefetch_row(gkv_b + ix[j0 + r + kPrefetchRows] * d, d, true);
-        float* dst = gkv_b + ix[j0 + r] * d;
-        const float* src = dkv.data() + r * d;
-        for (int64_t i = 0; i < d; ++i) dst[i] += src[i];
-      }
+      panel_times_rows(dq.data(), d, tb.data(), B, n, buf.data(), d, nb, d);
+      // dkv rows [nb, d] += [dS ; P]^T [nb, 2n] . a [2n, d], added in place (dO is zero past dv)
+      add_product_rows(gkv_b, ix + j0, nb, tb.data(), B, a.data(), d, 2 * n, n, dv, d);
     }
     for (int64_t h = 0; h < n; ++h) grad_q.store(dq.data() + h * d, bi, t % z.s, h, scale);
   }
@@ -575,7 +749,8 @@ void kl_queries(const Dims& z, int64_t heads, const float* q, const float* keys,
   const int64_t H = heads, d = z.d, k = z.k;
   // all k selected key rows (k x d x 4 B: 1 MiB for GLM-5's 2048 x 128) gathered once per query,
   // for the scores and again for dq: a second gather from the whole sequence cost more than the GEMMs
-  std::vector<float> rows(k * d), ph(H * k), logits(k), dlog(k), coef(H);
+  LineAligned rows(k * d);
+  std::vector<float> qp(d * padded(H)), ph(H * k), logits(k), dlog(k), coef(H);
   double total = 0.0;
   for (int64_t t = begin; t < end; ++t) {
     const int64_t bi = t / z.s;
@@ -583,11 +758,13 @@ void kl_queries(const Dims& z, int64_t heads, const float* q, const float* keys,
     const bool* vd = valid ? valid + t * k : nullptr;
     const float* qt = q + t * H * d;
     gather_rows(rows.data(), keys + bi * z.L * d, ix, k, k, d, z.L);
-    gemm(Op::T, Op::N, k, H, d, 1.f, rows.data(), d, qt, d, 0.f, ph.data(), k);  // per-head scores [H, k]
+    transpose_panel(qp.data(), qt, d, H, d);
+    rows_times_panel(ph.data(), k, rows.data(), d, k, qp.data(), padded(H), H, d);  // per-head scores [H, k]
     total += kl_row(ph.data(), k, H, k, w + t * H, target + t * k, [vd](int64_t j) { return vd && !vd[j]; },
                     want_grads, want_grads ? dw + t * H : nullptr, logits.data(), dlog.data());
     if (!want_grads) continue;
-    gemm(Op::N, Op::N, d, H, k, 1.f, rows.data(), d, ph.data(), k, 0.f, dq + t * H * d, d);  // dq = dph . K
+    std::fill(dq + t * H * d, dq + (t + 1) * H * d, 0.f);
+    panel_times_rows(dq + t * H * d, d, ph.data(), k, H, rows.data(), d, k, d);  // dq = dph . K
     float* dk_b = dk + bi * z.L * d;
     for (int64_t r = 0; r < k; ++r) {  // dk row += sum_h dph[h, r] q_h
       if (r + kPrefetchRows < k) prefetch_row(dk_b + ix[r + kPrefetchRows] * d, d, true);
