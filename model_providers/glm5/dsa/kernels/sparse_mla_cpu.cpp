@@ -335,7 +335,9 @@ void panel_rows(float* c, int64_t ldc, const float* pm, int64_t ldp, int64_t n, 
                 int64_t m) {
   constexpr int H = kAccRegs / 2;
   int64_t h = 0;
-  for (; h + H <= n; h += H) panel_rows_tile<H, C>(c + h * ldc, ldc, pm + h * ldp, ldp, rows, ld, m);
+  // full tiles while at least 4 heads would remain (8 heads: 4 + 4, not 6 + a 2-head tile whose 4
+  // accumulators cannot cover the FMA latency)
+  for (; h + H + 4 <= n || h + H == n; h += H) panel_rows_tile<H, C>(c + h * ldc, ldc, pm + h * ldp, ldp, rows, ld, m);
   for (; h + 4 <= n; h += 4) panel_rows_tile<4, C>(c + h * ldc, ldc, pm + h * ldp, ldp, rows, ld, m);
   for (; h + 2 <= n; h += 2) panel_rows_tile<2, C>(c + h * ldc, ldc, pm + h * ldp, ldp, rows, ld, m);
   for (; h < n; ++h) panel_rows_tile<1, C>(c + h * ldc, ldc, pm + h * ldp, ldp, rows, ld, m);
