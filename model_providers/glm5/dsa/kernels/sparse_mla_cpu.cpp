@@ -4,7 +4,8 @@
 // k x 576 rows through memory, which is what held the op-by-op version at ~55% of the GEMM
 // ceiling). The GEMMs are this file's register-tiled micro-kernels (one side is the n heads: BLAS
 // ran those shapes at 2/3 of its square-GEMM rate, packing panels it reads once); queries are
-// split over the intra-op threads. Semantics, shapes and precision are those of sparse_attention.SparseLatentAttention:
+// split over the intra-op threads. Semantics, shapes and precision are those of
+// sparse_attention.SparseLatentAttention:
 // fp32 statistics (scores, log-sum-exp, probabilities, delta, dq/dkv sums), the inputs upcast a
 // row at a time, only o, dq and dkv rounded to the input dtype.
 //
@@ -277,7 +278,7 @@ void rows_panel(float* c, int64_t ldc, const float* rows, int64_t ld, int64_t m,
 
 // c [n, m] (row stride ldc) = P^T . rows^T: c[h * ldc + j] = sum_p rows[j * ld + p] panel[p * np + h]
 // for j < m, h < n; panel [d, np] with np >= n a multiple of kLanes (columns past n are read, not
-// stored). Heads in chunks of up to 4 vectors.
+// stored). Heads in chunks of up to 2 vectors (4 spilled the tile's operands out of registers).
 inline void rows_times_panel(float* c, int64_t ldc, const float* rows, int64_t ld, int64_t m, const float* panel,
                              int64_t np, int64_t n, int64_t d, LinePrefetch* pf = nullptr) {
   for (int64_t h0 = 0; h0 < n; h0 += 2 * kLanes) {
@@ -344,7 +345,7 @@ void panel_rows(float* c, int64_t ldc, const float* pm, int64_t ldp, int64_t n, 
 }
 
 // c [n, cols] (row stride ldc) += pm [n, m] (row stride ldp) . rows [m, cols] (row stride ld):
-// columns in chunks of 3 vectors (the chunk's rows stay in L1 across head tiles), then 1, then
+// columns in chunks of 2 vectors (the chunk's rows stay in L1 across head tiles), then 1, then
 // scalar columns.
 inline void panel_times_rows(float* c, int64_t ldc, const float* pm, int64_t ldp, int64_t n, const float* rows,
                              int64_t ld, int64_t m, int64_t cols) {
