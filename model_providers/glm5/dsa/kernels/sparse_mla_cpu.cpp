@@ -153,34 +153,6 @@ inline void add_exp_shifted(float* acc, const float* x, int64_t n, float m) {
   for (; j < n; ++j) acc[j] += exp_nonpositive(x[j] - m);
 }
 
-// dst[i] += sum_g c[g] rows[g * ld + i] for i < d, the G coefficients in registers and dst read
-// and written once per vector (heads added in order g = 0..G-1, as a loop over heads would).
-template <int G>
-inline void add_weighted_rows(float* dst, const float* rows, int64_t ld, const float* c, int64_t d) {
-  VecF cs[G];
-  for (int g = 0; g < G; ++g) cs[g] = splat(c[g]);
-  int64_t i = 0;
-  for (; i + kLanes <= d; i += kLanes) {
-    VecF acc = load_vec(dst + i);
-    for (int g = 0; g < G; ++g) acc += cs[g] * load_vec(rows + g * ld + i);
-    store_vec(dst + i, acc);
-  }
-  for (; i < d; ++i) {
-    float acc = dst[i];
-    for (int g = 0; g < G; ++g) acc += c[g] * rows[g * ld + i];
-    dst[i] = acc;
-  }
-}
-
-// The same for any number of rows H, in groups of 8, 4, 2 and 1 (c: H coefficients).
-inline void add_weighted_rows(float* dst, const float* rows, int64_t ld, const float* c, int64_t H, int64_t d) {
-  int64_t g = 0;
-  for (; g + 8 <= H; g += 8) add_weighted_rows<8>(dst, rows + g * ld, ld, c + g, d);
-  if (g + 4 <= H) add_weighted_rows<4>(dst, rows + g * ld, ld, c + g, d), g += 4;
-  if (g + 2 <= H) add_weighted_rows<2>(dst, rows + g * ld, ld, c + g, d), g += 2;
-  if (g < H) add_weighted_rows<1>(dst, rows + g * ld, ld, c + g, d);
-}
-
 template <typename T>
 inline void load_row(float* dst, const T* src, int64_t d) {
   for (int64_t i = 0; i < d; ++i) dst[i] = static_cast<float>(src[i]);
@@ -791,7 +763,7 @@ void kl_queries(const Dims& z, int64_t heads, const float* q, const float* keys,
   // all k selected key rows (k x d x 4 B: 1 MiB for GLM-5's 2048 x 128) gathered once per query,
   // for the scores and again for dq: a second gather from the whole sequence cost more than the GEMMs
   LineAligned rows(k * d);
-  std::vector<float> qp(d * padded(H)), ph(H * k), logits(k), dlog(k), coef(H);
+  std::vector<float> qp(d * padded(H)), ph(H * k), logits(k), dlog(k);
   double total = 0.0;
   for (int64_t t = begin; t < end; ++t) {
     const int64_t bi = t / z.s;
@@ -807,11 +779,7 @@ void kl_queries(const Dims& z, int64_t heads, const float* q, const float* keys,
     std::fill(dq + t * H * d, dq + (t + 1) * H * d, 0.f);
     panel_times_rows(dq + t * H * d, d, ph.data(), k, H, rows.data(), d, k, d);  // dq = dph . K
     float* dk_b = dk + bi * z.L * d;
-    for (int64_t r = 0; r < k; ++r) {  // dk row += sum_h dph[h, r] q_h
-      if (r + kPrefetchRows < k) prefetch_row(dk_b + ix[r + kPrefetchRows] * d, d, true);
-      for (int64_t h = 0; h < H; ++h) coef[h] = ph[h * k + r];
-      add_weighted_rows(dk_b + ix[r] * d, qt, d, coef.data(), H, d);
-    }
+    add_product_rows(dk_b, ix, k, ph.data(), k, qt, d, H, H, d, d);  // dk rows += dph^T . q
   }
   *value = total;
 }
