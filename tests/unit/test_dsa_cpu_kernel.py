@@ -96,7 +96,7 @@ def test_a_stale_build_lock_is_removed_and_a_live_one_kept(tmp_path, monkeypatch
 @pytest.mark.parametrize("heads", [3, 11])
 def test_fused_indexer_kl_equals_torch_path(hidden, heads):
     """The sparse KL and its gradients to the indexer's q, k and weights. d = 20 and 37 keys:
-    vector loops with scalar tails; 3 and 11 heads: the key gradient's head groups of 8, 2, 1."""
+    vector loops with scalar tails; 3 and 11 heads: the micro-kernels' head and row tiles of every size."""
     from model_providers.glm5.dsa.kl import sparse_kl
 
     b, s, d, L, k = 2, 9, 20, 70, 37
