@@ -4,11 +4,15 @@ breakdown of where DSA's time goes, and optionally megatron-core 0.16.1's DSAtte
 qk 192 + 64, v 256, q/kv LoRA 512, indexer 8 x 128, hidden 512, top-k 2048. Each (variant, L)
 runs in its own process so peak RSS is its own.
 
-A DSA process times ``--repeats`` clean steps (ours_s: their median; peak RSS), then one more
+Each process times ``--repeats`` clean steps (ours_s: their median; peak RSS), then one more
 under torch.profiler whose events are attributed to components: forward scopes the benchmark
 wraps around the DSA functions, backward by autograd node, the rest (MLA projections,
-absorption, glue) together. The parts must sum to within 10% of the clean step (printed). The sparse process also times a plain
-GEMM of the sparse core's shape (one chunk of queries' scores), the machine's ceiling for it.
+absorption, glue) together. The parts must sum to within 10% of the clean step (printed). The
+sparse process also times a plain GEMM of the sparse core's shape (one chunk of queries' scores),
+the machine's ceiling for it. The dense process's profile gives SDPA's own rate; a DSA row's
+floor is its attention work (sparse core, indexer scoring and KL, dense prefix) at that rate plus
+its other parts as measured: what DSA would take if every attention FLOP ran as fast as the
+dense flash kernel does on a contiguous causal problem.
 
     .venv/bin/python benchmarks/dsa.py [--lengths 8192 16384 32768] [--modes sparse warmup]
                                        [--warmup-max 16384] [--megatron] [--repeats 3] [--json PATH]
@@ -181,8 +185,9 @@ def part_work(length: int, mode: str) -> dict:
     n, qk, v, d_lat, dv = HEADS, NOPE + ROPE, V, LORA + ROPE, LORA
     sdpa_fwd = lambda rows: n * rows * rows / 2 * 2 * (qk + v)  # noqa: E731  causal
     kl_dense = lambda rows: rows * rows / 2 * (n * qk * 2 + INDEX_HEADS * INDEX_DIM * 2 * 3)  # noqa: E731
+    if mode == "dense":
+        return {"dense attention forward": sdpa_fwd(length), "dense attention backward": 2.5 * sdpa_fwd(length)}
     if mode == "warmup":
-        scored = length * length / 2
         return {"dense attention forward": sdpa_fwd(length), "dense attention backward": 2.5 * sdpa_fwd(length),
                 "indexer KL (value + gradients)": kl_dense(length)}
     prefix = min(length, TOPK)
@@ -246,7 +251,7 @@ def run_one(variant: str, length: int, repeats: int) -> dict:
         times.append(time.perf_counter() - t0)
     row = {"seconds": statistics.median(times), "steps_s": [round(t, 2) for t in times],
            "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
-    if mode in ("sparse", "warmup"):
+    if variant != "megatron":
         _install_scopes()
         with torch.profiler.profile() as prof:
             step(length)
@@ -293,14 +298,19 @@ def result_row(length: int, mode: str, ours: dict, dense: dict) -> dict:
         core = (work["sparse forward"] + work["sparse backward"]) / 1e9 / core_s if core_s else 0.0
         row["gemm_ceiling_gflop_per_s"] = round(ours["gemm_ceiling_gflops"], 1)
         row["sparse_core_gflop_per_s"] = round(core, 1)
-        # this design's floor: the sparse core at the GEMM ceiling, indexer, top-k and KL free,
-        # the dense prefix and the MLA projections as measured
-        at_ceiling = (work["sparse forward"] + work["sparse backward"]) / 1e9 / ours["gemm_ceiling_gflops"]
-        floor = at_ceiling + sum(ours["parts"][p] for p in ("dense attention forward",
-                                                             "dense attention backward", _OTHER))
-        row["floor_s"] = round(floor, 2)
-        if dense:
-            row["floor_vs_dense"] = round(floor / dense["seconds"], 2)
+    if dense and "parts" in dense:
+        # the floor: every attention FLOP at dense SDPA's rate (its flash kernel on the whole
+        # causal problem, this run), the other parts (projections, glue, top-k) as measured
+        sdpa = ("dense attention forward", "dense attention backward")
+        sdpa_s = sum(dense["parts"][p] for p in sdpa)
+        rate = sum(part_work(length, "dense")[p] for p in sdpa) / 1e9 / sdpa_s
+        flops = sum(v for v in work.values() if not isinstance(v, tuple)) / 1e9
+        rest = sum(secs for name, secs in ours["parts"].items()
+                   if name not in work or isinstance(work[name], tuple))
+        row["sdpa_gflop_per_s"] = round(rate, 1)
+        row["attention_gflop"] = round(flops, 1)
+        row["floor_s"] = round(flops / rate + rest, 2)
+        row["floor_vs_dense"] = round(row["floor_s"] / dense["seconds"], 2)
     return row
 
 
@@ -311,9 +321,11 @@ def _print_row(row: dict) -> None:
           f"= {row['parts_sum_s'] / row['ours_s']:.0%} of the step")
     if "gemm_ceiling_gflop_per_s" in row:
         c, g = row["sparse_core_gflop_per_s"], row["gemm_ceiling_gflop_per_s"]
-        print(f"  sparse core {c:.1f} GFLOP/s = {c / g:.0%} of the GEMM ceiling ({g:.1f} GFLOP/s, same shape); "
-              f"floor (core at the ceiling, indexer/top-k/KL free) {row['floor_s']:.1f} s"
-              + (f" = {row['floor_vs_dense']:.2f}x dense" if "floor_vs_dense" in row else ""))
+        print(f"  sparse core {c:.1f} GFLOP/s = {c / g:.0%} of the GEMM ceiling ({g:.1f} GFLOP/s, same shape)")
+    if "floor_s" in row:
+        print(f"  floor: its {row['attention_gflop']:.0f} attention GFLOP at dense SDPA's "
+              f"{row['sdpa_gflop_per_s']:.1f} GFLOP/s, the rest as measured: {row['floor_s']:.1f} s "
+              f"= {row['floor_vs_dense']:.2f}x dense")
     print(f"  {'part':<44} {'s':>8} {'share':>6} {'work':>12} {'rate':>14}")
     for name, p in row["parts"].items():
         if not p["s"] and "gflop" not in p:
