@@ -1,8 +1,8 @@
 // Sparse MLA (absorbed form) forward and backward for CPU ranks, fused per query: each query's
-// selected latent rows are gathered a key block at a time into a thread-local buffer that stays in
-// L2 while the block's GEMMs read it (torch's own gather + bmm writes and rereads every query's
-// k x 576 rows through memory, which is what held the op-by-op version at ~55% of the GEMM
-// ceiling). The GEMMs are this file's register-tiled micro-kernels (one side is the n heads: BLAS
+// selected latent rows are read a key block at a time, in place (fp32; other dtypes upcast into a
+// thread-local block buffer), the next block's rows prefetched into L2 while this block's GEMMs
+// run (torch's own gather + bmm writes and rereads every query's k x 576 rows through memory,
+// which is what held the op-by-op version at ~55% of the GEMM ceiling). The GEMMs are this file's register-tiled micro-kernels (one side is the n heads: BLAS
 // ran those shapes at 2/3 of its square-GEMM rate, packing panels it reads once); queries are
 // split over the intra-op threads. Semantics, shapes and precision are those of
 // sparse_attention.SparseLatentAttention:
@@ -175,8 +175,8 @@ inline void prefetch_row(const T* row, int64_t d, bool for_write = false) {
     for_write ? __builtin_prefetch(p + c, 1) : __builtin_prefetch(p + c, 0);
 }
 
-// Rows idx[0..rows) of kv [L, d]; rows up to idx[ahead) are asked for kPrefetchRows ahead (the next
-// key block's first rows while this block's last ones are copied).
+// Rows idx[0..rows) of kv [L, d] copied into buf [rows, d] (fp32); rows up to idx[ahead) are asked
+// for kPrefetchRows ahead (the next key block's first rows while this block's last ones are copied).
 template <typename T>
 inline void gather_rows(float* buf, const T* kv, const int64_t* idx, int64_t rows, int64_t ahead, int64_t d,
                         int64_t L) {
@@ -186,6 +186,38 @@ inline void gather_rows(float* buf, const T* kv, const int64_t* idx, int64_t row
     TORCH_CHECK(idx[r] >= 0 && idx[r] < L, "sparse MLA: key index ", idx[r], " outside [0, ", L, ")");
     load_row(buf + r * d, kv + idx[r] * d, d);
   }
+}
+
+// The micro-kernels' two ways to reach their rows: rows of one buffer (a stride apart), or a
+// pointer per row.
+struct StridedRows {
+  const float* base;
+  int64_t ld;
+  const float* operator[](int64_t j) const { return base + j * ld; }
+  StridedRows from(int64_t j) const { return {base + j * ld, ld}; }
+};
+struct PointedRows {
+  const float* const* at;
+  const float* operator[](int64_t j) const { return at[j]; }
+  PointedRows from(int64_t j) const { return {at + j}; }
+};
+
+// Rows idx[0..rows) of kv [L, d] for the micro-kernels: fp32 rows are read where they lie (the
+// next block's lines are already on their way to L2, see LinePrefetch; a copy cost a load and a
+// store per value and the GEMMs' reads of it), other dtypes are upcast into buf first.
+template <typename T>
+inline PointedRows select_rows(const float** at, float* buf, const T* kv, const int64_t* idx, int64_t rows,
+                               int64_t ahead, int64_t d, int64_t L) {
+  if constexpr (std::is_same_v<T, float>) {
+    for (int64_t r = 0; r < rows; ++r) {
+      TORCH_CHECK(idx[r] >= 0 && idx[r] < L, "sparse MLA: key index ", idx[r], " outside [0, ", L, ")");
+      at[r] = kv + idx[r] * d;
+    }
+  } else {
+    gather_rows(buf, kv, idx, rows, ahead, d, L);
+    for (int64_t r = 0; r < rows; ++r) at[r] = buf + r * d;
+  }
+  return {at};
 }
 
 // Micro-kernels for the sparse core's GEMMs. One side of each is small (the n heads, or 2n), so
@@ -215,18 +247,20 @@ struct LinePrefetch {
   }
 };
 
-// c[h * ldc + j] = sum_p rows[j * ld + p] panel[p * np + h] for j < m, h < nh (nh <= V lanes):
+// c[h * ldc + j] = sum_p rows[j][p] panel[p * np + h] for j < m, h < nh (nh <= V lanes):
 // R rows against V vectors of heads. `panel` is the small side transposed ([d, np]).
-template <int R, int V>
-inline void rows_panel_tile(float* c, int64_t ldc, const float* rows, int64_t ld, const float* panel, int64_t np,
-                            int64_t d, int64_t nh, LinePrefetch* pf) {
+template <int R, int V, typename Rows>
+inline void rows_panel_tile(float* c, int64_t ldc, const Rows& rows, const float* panel, int64_t np, int64_t d,
+                            int64_t nh, LinePrefetch* pf) {
+  const float* row[R];
+  for (int r = 0; r < R; ++r) row[r] = rows[r];
   VecF acc[R][V] = {};
   for (int64_t p = 0; p < d; ++p) {
     if (pf && p % 2 == 0) pf->step();
     VecF w[V];
     for (int v = 0; v < V; ++v) w[v] = load_vec(panel + p * np + v * kLanes);
     for (int r = 0; r < R; ++r) {
-      const VecF x = splat(rows[r * ld + p]);
+      const VecF x = splat(row[r][p]);
       for (int v = 0; v < V; ++v) acc[r][v] += x * w[v];
     }
   }
@@ -237,29 +271,30 @@ inline void rows_panel_tile(float* c, int64_t ldc, const float* rows, int64_t ld
   }
 }
 
-template <int V>
-void rows_panel(float* c, int64_t ldc, const float* rows, int64_t ld, int64_t m, const float* panel, int64_t np,
-                int64_t d, int64_t nh, LinePrefetch* pf) {
+template <int V, typename Rows>
+void rows_panel(float* c, int64_t ldc, const Rows& rows, int64_t m, const float* panel, int64_t np, int64_t d,
+                int64_t nh, LinePrefetch* pf) {
   constexpr int R = kAccRegs / V;
   int64_t j = 0;
-  for (; j + R <= m; j += R) rows_panel_tile<R, V>(c + j, ldc, rows + j * ld, ld, panel, np, d, nh, pf);
-  for (; j + 4 <= m; j += 4) rows_panel_tile<4, V>(c + j, ldc, rows + j * ld, ld, panel, np, d, nh, pf);
-  for (; j + 2 <= m; j += 2) rows_panel_tile<2, V>(c + j, ldc, rows + j * ld, ld, panel, np, d, nh, pf);
-  for (; j < m; ++j) rows_panel_tile<1, V>(c + j, ldc, rows + j * ld, ld, panel, np, d, nh, pf);
+  for (; j + R <= m; j += R) rows_panel_tile<R, V>(c + j, ldc, rows.from(j), panel, np, d, nh, pf);
+  for (; j + 4 <= m; j += 4) rows_panel_tile<4, V>(c + j, ldc, rows.from(j), panel, np, d, nh, pf);
+  for (; j + 2 <= m; j += 2) rows_panel_tile<2, V>(c + j, ldc, rows.from(j), panel, np, d, nh, pf);
+  for (; j < m; ++j) rows_panel_tile<1, V>(c + j, ldc, rows.from(j), panel, np, d, nh, pf);
 }
 
-// c [n, m] (row stride ldc) = P^T . rows^T: c[h * ldc + j] = sum_p rows[j * ld + p] panel[p * np + h]
+// c [n, m] (row stride ldc) = P^T . rows^T: c[h * ldc + j] = sum_p rows[j][p] panel[p * np + h]
 // for j < m, h < n; panel [d, np] with np >= n a multiple of kLanes (columns past n are read, not
 // stored). Heads in chunks of up to 2 vectors (4 spilled the tile's operands out of registers).
-inline void rows_times_panel(float* c, int64_t ldc, const float* rows, int64_t ld, int64_t m, const float* panel,
-                             int64_t np, int64_t n, int64_t d, LinePrefetch* pf = nullptr) {
+template <typename Rows>
+inline void rows_times_panel(float* c, int64_t ldc, const Rows& rows, int64_t m, const float* panel, int64_t np,
+                             int64_t n, int64_t d, LinePrefetch* pf = nullptr) {
   for (int64_t h0 = 0; h0 < n; h0 += 2 * kLanes) {
     const int64_t nh = std::min<int64_t>(2 * kLanes, n - h0);
     float* ch = c + h0 * ldc;
     if (nh > kLanes)
-      rows_panel<2>(ch, ldc, rows, ld, m, panel + h0, np, d, nh, pf);
+      rows_panel<2>(ch, ldc, rows, m, panel + h0, np, d, nh, pf);
     else
-      rows_panel<1>(ch, ldc, rows, ld, m, panel + h0, np, d, nh, pf);
+      rows_panel<1>(ch, ldc, rows, m, panel + h0, np, d, nh, pf);
   }
 }
 
@@ -284,16 +319,17 @@ struct LineAligned {
   float* data() { return p; }
 };
 
-// c[h * ldc + i] += sum_j pm[h * ldp + j] rows[j * ld + i] for h < H, i < C vectors, j < m.
-template <int H, int C>
-inline void panel_rows_tile(float* c, int64_t ldc, const float* pm, int64_t ldp, const float* rows, int64_t ld,
+// c[h * ldc + i] += sum_j pm[h * ldp + j] rows[j][col + i] for h < H, i < C vectors, j < m.
+template <int H, int C, typename Rows>
+inline void panel_rows_tile(float* c, int64_t ldc, const float* pm, int64_t ldp, const Rows& rows, int64_t col,
                             int64_t m) {
   VecF acc[H][C];
   for (int h = 0; h < H; ++h)
     for (int v = 0; v < C; ++v) acc[h][v] = load_vec(c + h * ldc + v * kLanes);
   for (int64_t j = 0; j < m; ++j) {
     VecF w[C];
-    for (int v = 0; v < C; ++v) w[v] = load_vec(rows + j * ld + v * kLanes);
+    const float* row = rows[j] + col;
+    for (int v = 0; v < C; ++v) w[v] = load_vec(row + v * kLanes);
     for (int h = 0; h < H; ++h) {
       const VecF x = splat(pm[h * ldp + j]);
       for (int v = 0; v < C; ++v) acc[h][v] += x * w[v];
@@ -303,31 +339,31 @@ inline void panel_rows_tile(float* c, int64_t ldc, const float* pm, int64_t ldp,
     for (int v = 0; v < C; ++v) store_vec(c + h * ldc + v * kLanes, acc[h][v]);
 }
 
-template <int C>
-void panel_rows(float* c, int64_t ldc, const float* pm, int64_t ldp, int64_t n, const float* rows, int64_t ld,
+template <int C, typename Rows>
+void panel_rows(float* c, int64_t ldc, const float* pm, int64_t ldp, int64_t n, const Rows& rows, int64_t col,
                 int64_t m) {
   constexpr int H = kAccRegs / 2;
   int64_t h = 0;
   // full tiles while at least 4 heads would remain (8 heads: 4 + 4, not 6 + a 2-head tile whose 4
   // accumulators cannot cover the FMA latency)
-  for (; h + H + 4 <= n || h + H == n; h += H) panel_rows_tile<H, C>(c + h * ldc, ldc, pm + h * ldp, ldp, rows, ld, m);
-  for (; h + 4 <= n; h += 4) panel_rows_tile<4, C>(c + h * ldc, ldc, pm + h * ldp, ldp, rows, ld, m);
-  for (; h + 2 <= n; h += 2) panel_rows_tile<2, C>(c + h * ldc, ldc, pm + h * ldp, ldp, rows, ld, m);
-  for (; h < n; ++h) panel_rows_tile<1, C>(c + h * ldc, ldc, pm + h * ldp, ldp, rows, ld, m);
+  for (; h + H + 4 <= n || h + H == n; h += H) panel_rows_tile<H, C>(c + h * ldc, ldc, pm + h * ldp, ldp, rows, col, m);
+  for (; h + 4 <= n; h += 4) panel_rows_tile<4, C>(c + h * ldc, ldc, pm + h * ldp, ldp, rows, col, m);
+  for (; h + 2 <= n; h += 2) panel_rows_tile<2, C>(c + h * ldc, ldc, pm + h * ldp, ldp, rows, col, m);
+  for (; h < n; ++h) panel_rows_tile<1, C>(c + h * ldc, ldc, pm + h * ldp, ldp, rows, col, m);
 }
 
-// c [n, cols] (row stride ldc) += pm [n, m] (row stride ldp) . rows [m, cols] (row stride ld):
-// columns in chunks of 2 vectors (the chunk's rows stay in L1 across head tiles), then 1, then
-// scalar columns.
-inline void panel_times_rows(float* c, int64_t ldc, const float* pm, int64_t ldp, int64_t n, const float* rows,
-                             int64_t ld, int64_t m, int64_t cols) {
+// c [n, cols] (row stride ldc) += pm [n, m] (row stride ldp) . rows [m, :cols]: columns in chunks
+// of 2 vectors (the chunk's rows stay in L1 across head tiles), then 1, then scalar columns.
+template <typename Rows>
+inline void panel_times_rows(float* c, int64_t ldc, const float* pm, int64_t ldp, int64_t n, const Rows& rows,
+                             int64_t m, int64_t cols) {
   int64_t i = 0;
-  for (; i + 2 * kLanes <= cols; i += 2 * kLanes) panel_rows<2>(c + i, ldc, pm, ldp, n, rows + i, ld, m);
-  for (; i + kLanes <= cols; i += kLanes) panel_rows<1>(c + i, ldc, pm, ldp, n, rows + i, ld, m);
+  for (; i + 2 * kLanes <= cols; i += 2 * kLanes) panel_rows<2>(c + i, ldc, pm, ldp, n, rows, i, m);
+  for (; i + kLanes <= cols; i += kLanes) panel_rows<1>(c + i, ldc, pm, ldp, n, rows, i, m);
   for (; i < cols; ++i)
     for (int64_t h = 0; h < n; ++h) {
       float acc = c[h * ldc + i];
-      for (int64_t j = 0; j < m; ++j) acc += pm[h * ldp + j] * rows[j * ld + i];
+      for (int64_t j = 0; j < m; ++j) acc += pm[h * ldp + j] * rows[j][i];
       c[h * ldc + i] = acc;
     }
 }
@@ -445,7 +481,8 @@ void forward_queries(const Dims& z, const QueryRows<T>& q, const T* kv, const in
   const int64_t n = z.n, d = z.d, dv = z.dv, k = z.k, B = z.block;
   std::vector<float> qs(n * d), qp(d * padded(n)), scores(n * k), p(n * B), o(n * dv), m(n), l(n),
       hide(k);
-  LineAligned buf(B * d);
+  LineAligned buf(std::is_same_v<T, float> ? 0 : B * d);
+  std::vector<const float*> at(B);
   LinePrefetch pf;
   for (int64_t t = begin; t < end; ++t) {
     const int64_t bi = t / z.s;
@@ -463,10 +500,10 @@ void forward_queries(const Dims& z, const QueryRows<T>& q, const T* kv, const in
     std::fill(l.begin(), l.end(), 0.f);
     for (int64_t j0 = 0; j0 < k; j0 += B) {
       const int64_t nb = std::min(B, k - j0);
-      gather_rows(buf.data(), kv_b, ix + j0, nb, k - j0, d, z.L);
+      const PointedRows rows = select_rows(at.data(), buf.data(), kv_b, ix + j0, nb, k - j0, d, z.L);
       ask_for_next_block(pf, z, kv, idx, t, j0, end);
-      // scores[:, j0:j0+nb] = qs [n, d] . buf[nb, d]^T
-      rows_times_panel(scores.data() + j0, k, buf.data(), d, nb, qp.data(), padded(n), n, d, &pf);
+      // scores[:, j0:j0+nb] = qs [n, d] . rows[nb, d]^T
+      rows_times_panel(scores.data() + j0, k, rows, nb, qp.data(), padded(n), n, d, &pf);
       for (int64_t h = 0; h < n; ++h) {
         float* sr = scores.data() + h * k + j0;
         if (vd) {
@@ -488,8 +525,8 @@ void forward_queries(const Dims& z, const QueryRows<T>& q, const T* kv, const in
         l[h] += static_cast<float>(exp_shifted(pr, sr, nb, mn));
         m[h] = mn;
       }
-      // o [n, dv] += p [n, nb] . buf[nb, :dv]
-      panel_times_rows(o.data(), dv, p.data(), B, n, buf.data(), d, nb, dv);
+      // o [n, dv] += p [n, nb] . rows[nb, :dv]
+      panel_times_rows(o.data(), dv, p.data(), B, n, rows, nb, dv);
     }
     float* hp = head_probs + t * k;
     std::fill(hp, hp + k, 0.f);
@@ -513,7 +550,8 @@ void backward_queries(const Dims& z, const QueryRows<T>& q, const T* kv, const i
   // columns only: dO's row is zero past them).
   std::vector<float> a(2 * n * d, 0.f), qp(d * padded(n)), dp(dv * padded(n)), tb(2 * n * B), dq(n * d), delta(n),
       orow(dv), hide(k);
-  LineAligned buf(B * d);
+  LineAligned buf(std::is_same_v<T, float> ? 0 : B * d);
+  std::vector<const float*> at(B);
   LinePrefetch pf;
   for (int64_t t = begin; t < end; ++t) {
     const int64_t bi = t / z.s;
@@ -538,10 +576,10 @@ void backward_queries(const Dims& z, const QueryRows<T>& q, const T* kv, const i
     std::fill(dq.begin(), dq.end(), 0.f);
     for (int64_t j0 = 0; j0 < k; j0 += B) {
       const int64_t nb = std::min(B, k - j0);
-      gather_rows(buf.data(), kv_b, ix + j0, nb, k - j0, d, z.L);
+      const PointedRows rows = select_rows(at.data(), buf.data(), kv_b, ix + j0, nb, k - j0, d, z.L);
       ask_for_next_block(pf, z, kv, idx, t, j0, end);
-      rows_times_panel(tb.data(), B, buf.data(), d, nb, qp.data(), padded(n), n, d, &pf);
-      rows_times_panel(tb.data() + n * B, B, buf.data(), d, nb, dp.data(), padded(n), n, dv, &pf);
+      rows_times_panel(tb.data(), B, rows, nb, qp.data(), padded(n), n, d, &pf);
+      rows_times_panel(tb.data() + n * B, B, rows, nb, dp.data(), padded(n), n, dv, &pf);
       for (int64_t h = 0; h < n; ++h) {
         float* s_ds = tb.data() + h * B;        // scores -> dS / scale
         float* dp_p = tb.data() + (n + h) * B;  // dP -> P
@@ -559,8 +597,8 @@ void backward_queries(const Dims& z, const QueryRows<T>& q, const T* kv, const i
           dp_p[j] = pj;
         }
       }
-      // dq [n, d] += dS [n, nb] . buf [nb, d]
-      panel_times_rows(dq.data(), d, tb.data(), B, n, buf.data(), d, nb, d);
+      // dq [n, d] += dS [n, nb] . rows [nb, d]
+      panel_times_rows(dq.data(), d, tb.data(), B, n, rows, nb, d);
       // dkv rows [nb, d] += [dS ; P]^T [nb, 2n] . a [2n, d], added in place (dO is zero past dv)
       add_product_rows(gkv_b, ix + j0, nb, tb.data(), B, a.data(), d, 2 * n, n, dv, d);
     }
@@ -772,12 +810,12 @@ void kl_queries(const Dims& z, int64_t heads, const float* q, const float* keys,
     const float* qt = q + t * H * d;
     gather_rows(rows.data(), keys + bi * z.L * d, ix, k, k, d, z.L);
     transpose_panel(qp.data(), qt, d, H, d);
-    rows_times_panel(ph.data(), k, rows.data(), d, k, qp.data(), padded(H), H, d);  // per-head scores [H, k]
+    rows_times_panel(ph.data(), k, StridedRows{rows.data(), d}, k, qp.data(), padded(H), H, d);  // per-head scores [H, k]
     total += kl_row(ph.data(), k, H, k, w + t * H, target + t * k, [vd](int64_t j) { return vd && !vd[j]; },
                     want_grads, want_grads ? dw + t * H : nullptr, logits.data(), dlog.data());
     if (!want_grads) continue;
     std::fill(dq + t * H * d, dq + (t + 1) * H * d, 0.f);
-    panel_times_rows(dq + t * H * d, d, ph.data(), k, H, rows.data(), d, k, d);  // dq = dph . K
+    panel_times_rows(dq + t * H * d, d, ph.data(), k, H, StridedRows{rows.data(), d}, k, d);  // dq = dph . K
     float* dk_b = dk + bi * z.L * d;
     add_product_rows(dk_b, ix, k, ph.data(), k, qt, d, H, H, d, d);  // dk rows += dph^T . q
   }
