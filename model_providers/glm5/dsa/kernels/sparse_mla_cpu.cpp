@@ -2,11 +2,11 @@
 // selected latent rows are read a key block at a time, in place (fp32; other dtypes upcast into a
 // thread-local block buffer), the next block's rows prefetched into L2 while this block's GEMMs
 // run (torch's own gather + bmm writes and rereads every query's k x 576 rows through memory,
-// which is what held the op-by-op version at ~55% of the GEMM ceiling). The GEMMs are this file's register-tiled micro-kernels (one side is the n heads: BLAS
-// ran those shapes at 2/3 of its square-GEMM rate, packing panels it reads once); queries are
-// split over the intra-op threads. Semantics, shapes and precision are those of
-// sparse_attention.SparseLatentAttention:
-// fp32 statistics (scores, log-sum-exp, probabilities, delta, dq/dkv sums), the inputs upcast a
+// which is what held the op-by-op version at ~55% of the GEMM ceiling). The GEMMs are this file's
+// register-tiled micro-kernels (one side is the n heads: BLAS ran those shapes at 2/3 of its
+// square-GEMM rate, packing panels it reads once); queries are split over the intra-op threads.
+// Semantics, shapes and precision are those of sparse_attention.SparseLatentAttention: fp32
+// statistics (scores, log-sum-exp, probabilities, delta, dq/dkv sums), the inputs upcast a
 // row at a time, only o, dq and dkv rounded to the input dtype.
 //
 // Determinism: in the backward, thread t (of at most 8) owns a fixed contiguous range of queries
