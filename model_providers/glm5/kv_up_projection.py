@@ -18,16 +18,17 @@ from __future__ import annotations
 from functools import lru_cache
 
 import torch
+import torch.nn.functional as F
 
 
 def zero_padded(prefix: torch.Tensor, length: int) -> torch.Tensor:
     """``prefix`` [rows, ...] followed by zero rows up to ``length`` (one full-size tensor, no
-    concatenation's second copy); the gradient reaches ``prefix`` through the slice."""
-    if prefix.shape[0] >= length:
+    concatenation's second copy). A pad, not a slice assignment into zeros: the backward of
+    that (CopySlices) clones the whole full-size gradient, a pad's copies only the prefix rows."""
+    rows = prefix.shape[0]
+    if rows >= length:
         return prefix
-    full = prefix.new_zeros(length, *prefix.shape[1:])
-    full[:prefix.shape[0]] = prefix
-    return full
+    return F.pad(prefix, (0, 0) * (prefix.dim() - 1) + (0, length - rows))
 
 
 @lru_cache(maxsize=None)

@@ -1,6 +1,6 @@
-"""The DSA core attention inside megatron's MLA, sparse mode: its output equals per-head softmax
-attention restricted to the indexer's top-k keys (a plain masked reference built from the same
-layer's q/k/v), with top-k well below the sequence length. The MLA intermediates it reads reach it
+"""The DSA core attention inside megatron's MLA, sparse mode: its output and gradients equal those
+of per-head softmax attention restricted to the indexer's top-k keys (a plain masked reference
+built from the same layer's q/k/v), with top-k well below the sequence length. The MLA intermediates it reads reach it
 through megatron's selective recomputation of the core attention, one micro-batch's each."""
 
 import pytest
@@ -55,7 +55,7 @@ def test_sparse_layer_equals_masked_per_head_reference(one_rank):
     core = layer.core_attention
     core.register_forward_pre_hook(
         lambda m, args: captured.update(q=args[0], k=args[1], v=args[2], latent=m.mla.kv_latent))
-    x = torch.randn(40, 1, 64)
+    x = torch.randn(40, 1, 64, requires_grad=True)
     with TopkProbe(layer) as probe:
         out, _ = layer(x, attention_mask=None)
 
@@ -77,6 +77,21 @@ def test_sparse_layer_equals_masked_per_head_reference(one_rank):
     ref = torch.einsum("nst,tnv->snv", probs, v[:, 0]).reshape(s, 1, -1)
     ref_out, _ = layer.linear_proj(ref)
     assert torch.allclose(out, ref_out, rtol=1e-5, atol=1e-6)
+
+    # gradients too: the input's and every MLA weight's (the kv up-projection's reach it through
+    # the dense prefix's per-head keys and values and the absorbed form's W_UK / W_UV; the indexer
+    # is trained by the KL alone, its inputs detached)
+    names = [n for n, p in layer.named_parameters() if not n.startswith("core_attention.indexer.")]
+    wrt = [x] + [dict(layer.named_parameters())[n] for n in names]
+    g = torch.randn_like(out)
+    ours = torch.autograd.grad((out * g).sum(), wrt, retain_graph=True, allow_unused=True)
+    reference = torch.autograd.grad((ref_out * g).sum(), wrt, allow_unused=True)
+    assert "linear_kv_up_proj.weight" in names
+    for name, a, b in zip(["input"] + names, ours, reference):
+        assert (a is None) == (b is None), name
+        if a is not None:
+            # fp32 rounding of two association orders: ~4e-7 of the largest entry
+            assert float((a - b).abs().max()) <= 2e-6 * float(b.abs().max()), name
 
 
 def test_sparse_layer_with_topk_at_least_length_equals_dense(one_rank):
