@@ -4,15 +4,16 @@ breakdown of where DSA's time goes, and optionally megatron-core 0.16.1's DSAtte
 qk 192 + 64, v 256, q/kv LoRA 512, indexer 8 x 128, hidden 512, top-k 2048. Each (variant, L)
 runs in its own process so peak RSS is its own.
 
-Each process times ``--repeats`` clean steps (ours_s: their median; peak RSS), then one more
-under torch.profiler whose events are attributed to components: forward scopes the benchmark
-wraps around the DSA functions, backward by autograd node, the rest (MLA projections,
-absorption, glue) together. The parts must sum to within 10% of the clean step (printed). The
-sparse process also times a plain GEMM of the sparse core's shape (one chunk of queries' scores),
-the machine's ceiling for it. The dense process's profile gives SDPA's own rate; a DSA row's
-floor is its attention work (sparse core, indexer scoring and KL, dense prefix) at that rate plus
-its other parts as measured: what DSA would take if every attention FLOP ran as fast as the
-dense flash kernel does on a contiguous causal problem.
+Each process times ``--repeats`` clean steps (ours_s: their median; peak RSS), then one more under
+torch.profiler whose events are attributed to components: forward scopes the benchmark wraps around
+the DSA functions, backward by autograd node, the rest (MLA projections, absorption, glue)
+together. The parts must sum to within 10% of the clean step (printed). The sparse process also
+times a plain GEMM of the sparse core's shape (one chunk of queries' scores), the machine's ceiling
+for it, and the fused core alone on random selections against one contiguous block of keys that
+every query selects (what the gathers cost it). The dense process's profile gives SDPA's own rate;
+a DSA row's floor is its attention work (sparse core, indexer scoring and KL, dense prefix) at that
+rate plus its other parts as measured: what DSA would take if every attention FLOP ran as fast as
+the dense flash kernel does on a contiguous causal problem.
 
     .venv/bin/python benchmarks/dsa.py [--lengths 8192 16384 32768] [--modes sparse warmup]
                                        [--warmup-max 16384] [--megatron] [--repeats 3] [--json PATH]
@@ -224,6 +225,39 @@ def gemm_ceiling() -> float:
     return best
 
 
+def core_on_rows(length: int, queries: int = 256) -> dict | None:
+    """GFLOP/s of the fused CPU sparse core alone (forward + backward, the benchmark's shapes,
+    ``queries`` queries; median of 5) on each query's own random selection of k keys out of
+    ``length``, and on one contiguous block of k keys that every query selects (the same rows,
+    read in order and reused from cache): what the gathers cost the core. None without the
+    fused kernel."""
+    import torch
+
+    from model_providers.glm5.dsa.kernels.sparse_mla_cpu import KEY_BLOCK, cpu_kernel
+
+    kernel = cpu_kernel()
+    if kernel is None or KERNELS != "auto":
+        return None
+    d = LORA + ROPE
+    q = torch.randn(1, queries, HEADS, d) * 0.1
+    kv = torch.randn(1, length, d)
+    grad = torch.randn(1, queries, HEADS, LORA) * 0.01
+    flop = 2 * queries * TOPK * HEADS * ((d + LORA) + (3 * d + 2 * LORA))
+    selections = {"random": torch.stack([torch.randperm(length)[:TOPK] for _ in range(queries)]),
+                  "contiguous": torch.arange(TOPK).expand(queries, TOPK).contiguous()}
+    rates = {}
+    for name, idx in selections.items():
+        idx = idx.view(1, queries, TOPK)
+        times = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            out, lse, _ = kernel.forward(q[..., :LORA], q[..., LORA:], kv, idx, None, d ** -0.5, KEY_BLOCK)
+            kernel.backward(q[..., :LORA], q[..., LORA:], kv, idx, None, d ** -0.5, KEY_BLOCK, grad, out, lse)
+            times.append(time.perf_counter() - t0)
+        rates[name] = flop / statistics.median(times) / 1e9
+    return rates
+
+
 def run_one(variant: str, length: int, repeats: int) -> dict:
     import torch
 
@@ -258,6 +292,7 @@ def run_one(variant: str, length: int, repeats: int) -> dict:
         row["parts"] = _attribute(prof.events())
     if mode == "sparse":  # the better of before and after the steps (the machine is shared)
         row["gemm_ceiling_gflops"] = max(ceiling, gemm_ceiling())
+        row["core_on_rows"] = core_on_rows(length)
     return row
 
 
@@ -298,6 +333,8 @@ def result_row(length: int, mode: str, ours: dict, dense: dict) -> dict:
         core = (work["sparse forward"] + work["sparse backward"]) / 1e9 / core_s if core_s else 0.0
         row["gemm_ceiling_gflop_per_s"] = round(ours["gemm_ceiling_gflops"], 1)
         row["sparse_core_gflop_per_s"] = round(core, 1)
+        if ours.get("core_on_rows"):
+            row["core_gflop_per_s_on_rows"] = {k: round(v, 1) for k, v in ours["core_on_rows"].items()}
     if dense and "parts" in dense:
         # the floor: every attention FLOP at dense SDPA's rate (its flash kernel on the whole
         # causal problem, this run), the other parts (projections, glue, top-k) as measured
@@ -322,6 +359,10 @@ def _print_row(row: dict) -> None:
     if "gemm_ceiling_gflop_per_s" in row:
         c, g = row["sparse_core_gflop_per_s"], row["gemm_ceiling_gflop_per_s"]
         print(f"  sparse core {c:.1f} GFLOP/s = {c / g:.0%} of the GEMM ceiling ({g:.1f} GFLOP/s, same shape)")
+    if "core_gflop_per_s_on_rows" in row:
+        r = row["core_gflop_per_s_on_rows"]
+        print(f"  the core alone: {r['random']:.1f} GFLOP/s on random selections, {r['contiguous']:.1f} on one "
+              f"contiguous block of keys for every query: the gathers cost {1 - r['random'] / r['contiguous']:.0%}")
     if "floor_s" in row:
         print(f"  floor: its {row['attention_gflop']:.0f} attention GFLOP at dense SDPA's "
               f"{row['sdpa_gflop_per_s']:.1f} GFLOP/s, the rest as measured: {row['floor_s']:.1f} s "
