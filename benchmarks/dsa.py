@@ -34,6 +34,8 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
+from benchmarks.dsa_core_rates import core_on_rows, gemm_ceiling  # noqa: E402
+
 HIDDEN, HEADS, NOPE, ROPE, V, LORA, TOPK = 512, 16, 192, 64, 256, 512, 2048
 INDEX_HEADS, INDEX_DIM, CHUNK = 8, 128, 128
 KERNELS = "auto"  #: model.dsa.kernels of the layer under test (--kernels; set in its process)
@@ -203,61 +205,6 @@ def part_work(length: int, mode: str) -> dict:
             "dense attention forward": sdpa_fwd(prefix), "dense attention backward": 2.5 * sdpa_fwd(prefix)}
 
 
-def gemm_ceiling() -> float:
-    """GFLOP/s of one batched GEMM of the sparse core's shape: a chunk of queries' [heads, 576]
-    against their own gathered [k, 576] rows, the faster of the two layouts (the rows
-    transposed as the core reads them, or laid out [576, k]); median of 15 each."""
-    import torch
-
-    from model_providers.glm5.dsa.sparse_attention import rows_per_chunk
-
-    c = rows_per_chunk(TOPK, LORA + ROPE, 4, CHUNK)
-    a = torch.randn(c, HEADS, LORA + ROPE)
-    rows = torch.randn(c, TOPK, LORA + ROPE)
-    best = 0.0
-    for b in (rows.transpose(1, 2), rows.transpose(1, 2).contiguous()):
-        times = []
-        for _ in range(17):
-            t0 = time.perf_counter()
-            torch.bmm(a, b)
-            times.append(time.perf_counter() - t0)
-        best = max(best, 2 * c * HEADS * (LORA + ROPE) * TOPK / sorted(times[2:])[7] / 1e9)
-    return best
-
-
-def core_on_rows(length: int, queries: int = 256) -> dict | None:
-    """GFLOP/s of the fused CPU sparse core alone (forward + backward, the benchmark's shapes,
-    ``queries`` queries; median of 5) on each query's own random selection of k keys out of
-    ``length``, and on one contiguous block of k keys that every query selects (the same rows,
-    read in order and reused from cache): what the gathers cost the core. None without the
-    fused kernel."""
-    import torch
-
-    from model_providers.glm5.dsa.kernels.sparse_mla_cpu import KEY_BLOCK, cpu_kernel
-
-    kernel = cpu_kernel()
-    if kernel is None or KERNELS != "auto":
-        return None
-    d = LORA + ROPE
-    q = torch.randn(1, queries, HEADS, d) * 0.1
-    kv = torch.randn(1, length, d)
-    grad = torch.randn(1, queries, HEADS, LORA) * 0.01
-    flop = 2 * queries * TOPK * HEADS * ((d + LORA) + (3 * d + 2 * LORA))
-    selections = {"random": torch.stack([torch.randperm(length)[:TOPK] for _ in range(queries)]),
-                  "contiguous": torch.arange(TOPK).expand(queries, TOPK).contiguous()}
-    rates = {}
-    for name, idx in selections.items():
-        idx = idx.view(1, queries, TOPK)
-        times = []
-        for _ in range(5):
-            t0 = time.perf_counter()
-            out, lse, _ = kernel.forward(q[..., :LORA], q[..., LORA:], kv, idx, None, d ** -0.5, KEY_BLOCK)
-            kernel.backward(q[..., :LORA], q[..., LORA:], kv, idx, None, d ** -0.5, KEY_BLOCK, grad, out, lse)
-            times.append(time.perf_counter() - t0)
-        rates[name] = flop / statistics.median(times) / 1e9
-    return rates
-
-
 def run_one(variant: str, length: int, repeats: int) -> dict:
     import torch
 
@@ -277,7 +224,8 @@ def run_one(variant: str, length: int, repeats: int) -> dict:
         out.float().pow(2).mean().backward()
 
     step(256)  # warm-up
-    ceiling = gemm_ceiling() if mode == "sparse" else None
+    core_shape = dict(heads=HEADS, dim=LORA + ROPE, dv=LORA, k=TOPK)
+    ceiling = gemm_ceiling(chunk=CHUNK, **core_shape) if mode == "sparse" else None
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
@@ -291,8 +239,8 @@ def run_one(variant: str, length: int, repeats: int) -> dict:
             step(length)
         row["parts"] = _attribute(prof.events())
     if mode == "sparse":  # the better of before and after the steps (the machine is shared)
-        row["gemm_ceiling_gflops"] = max(ceiling, gemm_ceiling())
-        row["core_on_rows"] = core_on_rows(length)
+        row["gemm_ceiling_gflops"] = max(ceiling, gemm_ceiling(chunk=CHUNK, **core_shape))
+        row["core_on_rows"] = core_on_rows(length, **core_shape) if KERNELS == "auto" else None
     return row
 
 

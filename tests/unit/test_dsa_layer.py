@@ -1,7 +1,8 @@
 """The DSA core attention inside megatron's MLA, sparse mode: its output and gradients equal those
 of per-head softmax attention restricted to the indexer's top-k keys (a plain masked reference
-built from the same layer's q/k/v), with top-k well below the sequence length. The MLA intermediates it reads reach it
-through megatron's selective recomputation of the core attention, one micro-batch's each."""
+built from the same layer's q/k/v), with top-k well below the sequence length. The MLA
+intermediates it reads reach it through megatron's selective recomputation of the core attention,
+one micro-batch's each."""
 
 import pytest
 import torch
@@ -81,13 +82,13 @@ def test_sparse_layer_equals_masked_per_head_reference(one_rank):
     # gradients too: the input's and every MLA weight's (the kv up-projection's reach it through
     # the dense prefix's per-head keys and values and the absorbed form's W_UK / W_UV; the indexer
     # is trained by the KL alone, its inputs detached)
-    names = [n for n, p in layer.named_parameters() if not n.startswith("core_attention.indexer.")]
-    wrt = [x] + [dict(layer.named_parameters())[n] for n in names]
+    params = {n: p for n, p in layer.named_parameters() if not n.startswith("core_attention.indexer.")}
+    names, wrt = ["input", *params], [x, *params.values()]
     g = torch.randn_like(out)
     ours = torch.autograd.grad((out * g).sum(), wrt, retain_graph=True, allow_unused=True)
     reference = torch.autograd.grad((ref_out * g).sum(), wrt, allow_unused=True)
     assert "linear_kv_up_proj.weight" in names
-    for name, a, b in zip(["input"] + names, ours, reference):
+    for name, a, b in zip(names, ours, reference):
         assert (a is None) == (b is None), name
         if a is not None:
             # fp32 rounding of two association orders: ~4e-7 of the largest entry
