@@ -1,7 +1,7 @@
 // Sparse MLA (absorbed form) forward and backward for CPU ranks, fused per query: each query's
 // selected latent rows are read a key block at a time, in place (fp32; other dtypes upcast into a
-// thread-local block buffer), the next block's rows prefetched into L2 while this block's GEMMs
-// run (torch's own gather + bmm writes and rereads every query's k x 576 rows through memory,
+// thread-local block buffer, the next block's rows prefetched into L2 while this block's GEMMs
+// run) (torch's own gather + bmm writes and rereads every query's k x 576 rows through memory,
 // which is what held the op-by-op version at ~55% of the GEMM ceiling). The GEMMs are this file's
 // register-tiled micro-kernels (one side is the n heads: BLAS ran those shapes at 2/3 of its
 // square-GEMM rate, packing panels it reads once); queries are split over the intra-op threads.
@@ -202,9 +202,9 @@ struct PointedRows {
   PointedRows from(int64_t j) const { return {at + j}; }
 };
 
-// Rows idx[0..rows) of kv [L, d] for the micro-kernels: fp32 rows are read where they lie (the
-// next block's lines are already on their way to L2, see LinePrefetch; a copy cost a load and a
-// store per value and the GEMMs' reads of it), other dtypes are upcast into buf first.
+// Rows idx[0..rows) of kv [L, d] for the micro-kernels: fp32 rows are read where they lie (a copy
+// cost a load and a store per value and the GEMMs' reads of it), other dtypes are upcast into buf
+// first (their next block's lines already on their way to L2, see LinePrefetch).
 template <typename T>
 inline PointedRows select_rows(const float** at, float* buf, const T* kv, const int64_t* idx, int64_t rows,
                                int64_t ahead, int64_t d, int64_t L) {
@@ -234,6 +234,11 @@ constexpr int kAccRegs = kLanes == 16 ? 24 : 12;  // of AVX-512's 32 / AVX2's 16
 // 4th step of both the rows-times-panel and the panel-times-rows loops spreads them over the whole
 // block: every 2nd step of the first loop alone kept so many misses in flight that ~30% of that
 // loop's samples sat on the prefetch instruction (paired runs: fwd and bwd 1.5-5% faster spread).
+// Only for rows that are upcast into the block buffer (bf16/fp16: without it, paired runs at 8K
+// and 32K took 1.04-1.11x as long). fp32 rows are read in place by the GEMMs, each a sequential
+// stream the hardware prefetchers follow: there the software prefetches cost more than they saved
+// (paired runs, 512 queries, k 2048, 2 threads, time without / with: fwd 1.01 / 1.01 / 0.87 and
+// bwd 0.93 / 0.95 / 0.88 at L 8K / 16K / 32K).
 struct LinePrefetch {
   const char* kv = nullptr;
   const int64_t* idx = nullptr;
@@ -242,6 +247,10 @@ struct LinePrefetch {
   void ask_for(const T* kv_rows, const int64_t* ix, int64_t n, int64_t d, int64_t len) {
     kv = reinterpret_cast<const char*>(kv_rows), idx = ix, rows = n, row_bytes = d * sizeof(T), L = len;
     row = off = 0;
+  }
+  template <typename T>
+  static LinePrefetch* for_rows_of(LinePrefetch& pf) {
+    return std::is_same_v<T, float> ? nullptr : &pf;
   }
   void step() {
     if (row >= rows) return;
@@ -488,7 +497,8 @@ void forward_queries(const Dims& z, const QueryRows<T>& q, const T* kv, const in
       hide(k);
   LineAligned buf(std::is_same_v<T, float> ? 0 : B * d);
   std::vector<const float*> at(B);
-  LinePrefetch pf;
+  LinePrefetch next_block;
+  LinePrefetch* pf = LinePrefetch::for_rows_of<T>(next_block);
   for (int64_t t = begin; t < end; ++t) {
     const int64_t bi = t / z.s;
     const T* kv_b = kv + bi * z.L * d;
@@ -506,9 +516,9 @@ void forward_queries(const Dims& z, const QueryRows<T>& q, const T* kv, const in
     for (int64_t j0 = 0; j0 < k; j0 += B) {
       const int64_t nb = std::min(B, k - j0);
       const PointedRows rows = select_rows(at.data(), buf.data(), kv_b, ix + j0, nb, k - j0, d, z.L);
-      ask_for_next_block(pf, z, kv, idx, t, j0, end);
+      if (pf) ask_for_next_block(*pf, z, kv, idx, t, j0, end);
       // scores[:, j0:j0+nb] = qs [n, d] . rows[nb, d]^T
-      rows_times_panel(scores.data() + j0, k, rows, nb, qp.data(), padded(n), n, d, &pf);
+      rows_times_panel(scores.data() + j0, k, rows, nb, qp.data(), padded(n), n, d, pf);
       for (int64_t h = 0; h < n; ++h) {
         float* sr = scores.data() + h * k + j0;
         if (vd) {
@@ -531,7 +541,7 @@ void forward_queries(const Dims& z, const QueryRows<T>& q, const T* kv, const in
         m[h] = mn;
       }
       // o [n, dv] += p [n, nb] . rows[nb, :dv]
-      panel_times_rows(o.data(), dv, p.data(), B, n, rows, nb, dv, &pf);
+      panel_times_rows(o.data(), dv, p.data(), B, n, rows, nb, dv, pf);
     }
     float* hp = head_probs + t * k;
     std::fill(hp, hp + k, 0.f);
@@ -557,7 +567,8 @@ void backward_queries(const Dims& z, const QueryRows<T>& q, const T* kv, const i
       orow(dv), hide(k);
   LineAligned buf(std::is_same_v<T, float> ? 0 : B * d);
   std::vector<const float*> at(B);
-  LinePrefetch pf;
+  LinePrefetch next_block;
+  LinePrefetch* pf = LinePrefetch::for_rows_of<T>(next_block);
   for (int64_t t = begin; t < end; ++t) {
     const int64_t bi = t / z.s;
     const T* kv_b = kv + bi * z.L * d;
@@ -582,9 +593,9 @@ void backward_queries(const Dims& z, const QueryRows<T>& q, const T* kv, const i
     for (int64_t j0 = 0; j0 < k; j0 += B) {
       const int64_t nb = std::min(B, k - j0);
       const PointedRows rows = select_rows(at.data(), buf.data(), kv_b, ix + j0, nb, k - j0, d, z.L);
-      ask_for_next_block(pf, z, kv, idx, t, j0, end);
-      rows_times_panel(tb.data(), B, rows, nb, qp.data(), padded(n), n, d, &pf);
-      rows_times_panel(tb.data() + n * B, B, rows, nb, dp.data(), padded(n), n, dv, &pf);
+      if (pf) ask_for_next_block(*pf, z, kv, idx, t, j0, end);
+      rows_times_panel(tb.data(), B, rows, nb, qp.data(), padded(n), n, d, pf);
+      rows_times_panel(tb.data() + n * B, B, rows, nb, dp.data(), padded(n), n, dv, pf);
       for (int64_t h = 0; h < n; ++h) {
         float* s_ds = tb.data() + h * B;        // scores -> dS / scale
         float* dp_p = tb.data() + (n + h) * B;  // dP -> P
@@ -603,7 +614,7 @@ void backward_queries(const Dims& z, const QueryRows<T>& q, const T* kv, const i
         }
       }
       // dq [n, d] += dS [n, nb] . rows [nb, d]
-      panel_times_rows(dq.data(), d, tb.data(), B, n, rows, nb, d, &pf);
+      panel_times_rows(dq.data(), d, tb.data(), B, n, rows, nb, d, pf);
       // dkv rows [nb, d] += [dS ; P]^T [nb, 2n] . a [2n, d], added in place (dO is zero past dv)
       add_product_rows(gkv_b, ix + j0, nb, tb.data(), B, a.data(), d, 2 * n, n, dv, d);
     }

@@ -27,9 +27,10 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).with_name("sparse_mla_cpu.cpp")
-#: selected keys per block: the block's gathered latent rows (128 x 576 x 4 B = 0.3 MiB) and the
-#: next block's, prefetched during this one's GEMMs, fit a 512 KiB L2 together (measured at 16K on
-#: an AVX2 EPYC, fwd+bwd: 128 beat 256 in each of 3 alternating runs, by 5-12%; 64 was slower)
+#: selected keys per block: the block's latent rows (128 x 576 x 4 B = 0.3 MiB) stay in a 512 KiB
+#: L2 between the block's GEMMs (measured at 16K on an AVX2 EPYC, fwd+bwd: 128 beat 256 in each of
+#: 3 alternating runs, by 5-12%, 64 was slower; rechecked once fp32 rows went without software
+#: prefetches, 8K and 32K: 64 and 256 within 5% of 128 either way)
 KEY_BLOCK = 128
 #: seconds after which a build lock is stale (a build takes well under a minute)
 STALE_LOCK_S = 600
