@@ -1,8 +1,8 @@
 // Sparse MLA (absorbed form) forward and backward for CPU ranks, fused per query: each query's
-// selected latent rows are read a key block at a time, in place (fp32; other dtypes upcast into a
-// thread-local block buffer, the next block's rows prefetched into L2 while this block's GEMMs
-// run) (torch's own gather + bmm writes and rereads every query's k x 576 rows through memory,
-// which is what held the op-by-op version at ~55% of the GEMM ceiling). The GEMMs are this file's
+// selected latent rows are read a key block at a time: fp32 rows in place, other dtypes upcast into
+// a thread-local block buffer, their next block prefetched into L2 while this block's GEMMs run.
+// torch's own gather + bmm writes and rereads every query's k x 576 rows through memory, which is
+// what held the op-by-op version at ~55% of the GEMM ceiling. The GEMMs are this file's
 // register-tiled micro-kernels (one side is the n heads: BLAS ran those shapes at 2/3 of its
 // square-GEMM rate, packing panels it reads once); queries are split over the intra-op threads.
 // Semantics, shapes and precision are those of sparse_attention.SparseLatentAttention: fp32
@@ -233,8 +233,8 @@ constexpr int kAccRegs = kLanes == 16 ? 24 : 12;  // of AVX-512's 32 / AVX2's 16
 // (perf: a third of the forward's time sat on the gather's loads and prefetches). A line every
 // 4th step of both the rows-times-panel and the panel-times-rows loops spreads them over the whole
 // block: every 2nd step of the first loop alone kept so many misses in flight that ~30% of that
-// loop's samples sat on the prefetch instruction (paired runs: fwd and bwd 1.5-5% faster spread).
-// Only for rows that are upcast into the block buffer (bf16/fp16: without it, paired runs at 8K
+// loop's samples sat on the prefetch instruction (paired runs on fp32 rows, then prefetched too:
+// fwd and bwd 1.5-5% faster spread). Only for rows that are upcast into the block buffer (bf16/fp16: without it, paired runs at 8K
 // and 32K took 1.04-1.11x as long). fp32 rows are read in place by the GEMMs, each a sequential
 // stream the hardware prefetchers follow: there the software prefetches cost more than they saved
 // (paired runs, 512 queries, k 2048, 2 threads, time without / with: fwd 1.01 / 1.01 / 0.87 and
