@@ -45,11 +45,20 @@ inline void hidden_keys(float* hide, const bool* valid, int64_t k) {
 // a loop over the scalar form written with std::max and std::nearbyint (it turns the clamp into
 // a jump; ~6 ns a value on an AVX2 EPYC). With it, the dense KL target's max / exp / head-sum row
 // work went from 82 to 38 ms per 16.8M scores on one thread.
-#if defined(__AVX512F__)
+//
+// The vector width is the CPU's own (16 floats with AVX-512, else 8) unless the build names one
+// (SPARSE_MLA_LANES, from sparse_mla_cpu.py). The width sets the tiles and the order of every
+// lane-split sum, so the two widths round differently; each width's arithmetic is the same on any
+// x86 CPU with AVX2 and FMA (GCC lowers a 16-lane vector to two 8-lane halves, lane for lane, and
+// contracts the same multiply-adds), which is how one kind of machine tests the other's path.
+#if defined(SPARSE_MLA_LANES)
+constexpr int64_t kLanes = SPARSE_MLA_LANES;
+#elif defined(__AVX512F__)
 constexpr int64_t kLanes = 16;
 #else
 constexpr int64_t kLanes = 8;
 #endif
+static_assert(kLanes == 8 || kLanes == 16, "SPARSE_MLA_LANES is 8 (the AVX2 path) or 16 (the AVX-512 path)");
 typedef float VecF __attribute__((vector_size(kLanes * sizeof(float))));
 typedef int32_t VecI __attribute__((vector_size(kLanes * sizeof(int32_t))));
 typedef double VecD __attribute__((vector_size(kLanes * sizeof(double))));
@@ -1044,4 +1053,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attention_target", &attention_target, "the dense KL's target for a chunk of rows (CPU)");
   m.def("dense_kl_rows", &dense_kl_rows, "the dense KL and its gradients for a chunk of rows (CPU)");
   m.def("topk", &topk, "deterministic top-k indices per row, ascending (CPU)");
+  m.attr("vector_lanes") = kLanes;
 }

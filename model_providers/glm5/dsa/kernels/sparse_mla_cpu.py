@@ -7,10 +7,17 @@ row work between its GEMMs (``kl.dense_kl(..., fused=True)``: ``attention_target
 
 The kernel is compiled on first use with torch's extension builder (g++ and ninja; a few tens of
 seconds once) into torch's extensions directory (``TORCH_EXTENSIONS_DIR``), under a name keyed by
-this CPU's instruction-set flags: it is built with ``-march=native``, so a home directory shared by
-a login node and compute nodes of another CPU type keeps one build per CPU type. Where it cannot be
-built (no compiler), :func:`cpu_kernel` warns once and returns None, and the caller keeps the
-op-by-op torch path.
+this CPU's instruction-set flags and the vector width: it is built with ``-march=native``, so a
+home directory shared by a login node and compute nodes of another CPU type keeps one build per CPU
+type. Where it cannot be built (no compiler), :func:`cpu_kernel` warns once and returns None, and
+the caller keeps the op-by-op torch path.
+
+The vector width (8 floats: the AVX2 path; 16: the AVX-512 path) is the CPU's own unless
+``GLM5_CPU_KERNEL_LANES`` names one. The two widths sum in different orders, so their results
+differ by rounding; each width computes the same bits on any x86 CPU with AVX2 (the source says
+why), so ``GLM5_CPU_KERNEL_LANES=16`` on an AVX2 machine runs the AVX-512 machines' arithmetic (at
+about half its speed) and ``=8`` on an AVX-512 machine the AVX2 machines'. The kernel's tests run
+both widths; the test session's header names the one every other test ran.
 """
 
 from __future__ import annotations
@@ -34,6 +41,10 @@ SOURCE = Path(__file__).with_name("sparse_mla_cpu.cpp")
 KEY_BLOCK = 128
 #: seconds after which a build lock is stale (a build takes well under a minute)
 STALE_LOCK_S = 600
+#: forces the kernel's vector width (see the module's docstring)
+LANES_ENV = "GLM5_CPU_KERNEL_LANES"
+#: the instruction set whose machines run each width natively
+ISA_OF_LANES = {8: "AVX2", 16: "AVX-512"}
 
 
 def _cpu_flags() -> str:
@@ -44,9 +55,32 @@ def _cpu_flags() -> str:
     return next((line for line in text.splitlines() if line.startswith(("flags", "Features"))), "")
 
 
-def _name() -> str:
+def native_lanes() -> int:
+    """This CPU's own vector width in floats: 16 with AVX-512, else 8."""
+    return 16 if "avx512f" in _cpu_flags().split() else 8
+
+
+def kernel_lanes() -> int:
+    """The vector width the kernel is built and run with: ``GLM5_CPU_KERNEL_LANES`` or the CPU's own."""
+    value = os.environ.get(LANES_ENV, "").strip()
+    if not value:
+        return native_lanes()
+    if value not in ("8", "16"):
+        raise ValueError(f"{LANES_ENV}={value!r}: the fused CPU kernel's vector width is 8 (the AVX2 path) "
+                         "or 16 (the AVX-512 path), or unset for this CPU's own")
+    return int(value)
+
+
+def describe_lanes(lanes: int) -> str:
+    """Which path a width is, and whether it is this CPU's own, for logs and the test header."""
+    own = native_lanes()
+    how = "this CPU's own" if lanes == own else f"forced by {LANES_ENV} on a CPU whose own is {own}"
+    return f"{lanes}-lane vectors, the {ISA_OF_LANES[lanes]} path ({how})"
+
+
+def _name(lanes: int) -> str:
     key = hashlib.sha1(f"{platform.machine()} {_cpu_flags()}".encode()).hexdigest()[:10]
-    return f"glm5_sparse_mla_cpu_{key}"
+    return f"glm5_sparse_mla_cpu_{key}_{lanes}lanes"
 
 
 def _clear_stale_lock(name: str) -> None:
@@ -63,17 +97,23 @@ def _clear_stale_lock(name: str) -> None:
         pass
 
 
-@functools.cache
 def cpu_kernel():
-    """The compiled extension module, or None (with one warning) where it cannot be built."""
+    """The compiled extension module at :func:`kernel_lanes`' width, or None (with one warning)
+    where it cannot be built."""
+    return _built(kernel_lanes())
+
+
+@functools.cache
+def _built(lanes: int):
     from torch.utils.cpp_extension import load
 
     bin_dir = os.path.dirname(sys.executable)  # the venv's ninja, when the venv is not activated
     if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
         os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
     try:
-        _clear_stale_lock(_name())
-        return load(name=_name(), sources=[str(SOURCE)], extra_cflags=["-O3", "-march=native", "-fopenmp"],
+        _clear_stale_lock(_name(lanes))
+        return load(name=_name(lanes), sources=[str(SOURCE)],
+                    extra_cflags=["-O3", "-march=native", "-fopenmp", f"-DSPARSE_MLA_LANES={lanes}"],
                     extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as err:  # no compiler, no ninja, an unsupported platform
         warnings.warn(f"the fused CPU sparse MLA kernel did not build ({type(err).__name__}: {err}); "
