@@ -395,7 +395,12 @@ def test_shared_mtp_equals_megatron_block_with_tied_copies(tiny, batch):
         if p.grad is None:  # an expert no token was routed to, in both models
             assert all(g is None or not g.any() for g in copies), name
             continue
-        torch.testing.assert_close(p.grad, sum(copies), rtol=1e-4, atol=1e-7, msg=name)
+        # the same terms added in another order (3 fp32 additions, either side: 4 u sum|copies|)
+        # from copies whose own backward rounds differently (other GEMM shapes): both are relative
+        # to the copies' magnitude, not to their sum, which may cancel; 1e-4 of it for the latter
+        magnitude = sum(g.abs() for g in copies)
+        err = (p.grad - sum(copies)).abs()
+        assert bool((err <= (1e-4 + 4 * 2.0 ** -24) * magnitude).all()), name
     eh = [ref_params[f"mtp.layers.{d}.eh_proj.weight"].grad.norm().item() for d in range(3)]
     assert min(eh) > 0.1 * max(eh), f"every depth contributes to eh_proj's gradient: {eh}"
 
