@@ -47,7 +47,9 @@ LANES_ENV = "GLM5_CPU_KERNEL_LANES"
 ISA_OF_LANES = {8: "AVX2", 16: "AVX-512"}
 
 
+@functools.cache
 def _cpu_flags() -> str:
+    """/proc/cpuinfo's flags line, read once: ``cpu_kernel()`` asks for the width on every call."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
