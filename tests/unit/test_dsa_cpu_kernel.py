@@ -216,13 +216,6 @@ def test_fused_dense_kl_equals_torch_path(lanes, layout_kind):
     assert_within_rounding(res[True], res[False], res["exact"], terms=L * max(d, D))
 
 
-def _kl_in_fp64(iq, ik, iw, idx, target):
-    q, k, w = iq.double(), ik.double(), iw.double()
-    sel = torch.stack([k[i][idx[i]] for i in range(k.shape[0])])  # [b, s, k, d]
-    logq = torch.einsum("bshd,bskd->bshk", q, sel).relu().mul(w[..., None]).sum(2).log_softmax(-1)
-    return (torch.special.xlogy(target, target) - target * logq).sum(-1).mean()
-
-
 def test_fused_indexer_kl_has_no_bias_near_convergence(lanes):
     """A trained indexer's KL is small (here ~5e-5 a row) against terms of ~6 (ln k): a rounding
     bias of 1e-7 per row in the log-sum-exp (a float running sum over the keys, a slightly low
@@ -244,7 +237,7 @@ def test_fused_indexer_kl_has_no_bias_near_convergence(lanes):
     logits = torch.einsum("bshd,bskd->bshk", iq, sel).relu().mul(iw[..., None]).sum(2)
     target = (logits + 0.01 * torch.randn(logits.shape, generator=g)).softmax(-1)
     exact_target = target.double() / target.double().sum(-1, keepdim=True)  # the paths normalise it too
-    want = float(_kl_in_fp64(iq, ik, iw, idx, exact_target))
+    want = float(_kl_of_logits(_indexer_logits(iq.double(), ik.double(), iw.double(), idx), exact_target))
     valid = torch.ones(b, s, k, dtype=torch.bool)
     # sparse_kl forms its target in head_probs' storage: each path gets its own copy
     err = {fused: abs(float(sparse_kl(iq, ik, iw, idx, valid, target.clone(), chunk=8, fused=fused)) / want - 1)
