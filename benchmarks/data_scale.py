@@ -57,7 +57,7 @@ INT32 = 4
 
 def plan_streams():
     """The recipe's stages grouped by data stream: [(stage names, run config, samples, dp)]."""
-    from pretrain.config import compose, to_run_config
+    from pretrain.config.schema import compose, to_run_config
     from pretrain.curriculum import plan
 
     rc = to_run_config(compose(RUN))

@@ -72,9 +72,9 @@ def _megatron_dsa_layer(cfg):
     from megatron.core.transformer.multi_latent_attention import MLASelfAttention
     from megatron.core.transformer.spec_utils import build_module
 
-    from model_providers.glm5.config import DSAConfig
-    from model_providers.glm5.dsa.hadamard import hadamard_rotate
-    from model_providers.glm5.specs import _local_layer_spec
+    from model_providers.glm5.model.config import DSAConfig
+    from model_providers.glm5.model.dsa.hadamard import hadamard_rotate
+    from model_providers.glm5.model.specs import _local_layer_spec
 
     class DuplicatedLinear(Linear):
         def __init__(self, *args, parallel_mode=None, **kwargs):
@@ -95,8 +95,8 @@ def _megatron_dsa_layer(cfg):
 def _our_layer(cfg, mode: str):
     from megatron.core.transformer.spec_utils import build_module
 
-    from model_providers.glm5.config import DSAConfig
-    from model_providers.glm5.specs import _local_layer_spec
+    from model_providers.glm5.model.config import DSAConfig
+    from model_providers.glm5.model.specs import _local_layer_spec
 
     dsa = DSAConfig(mode=mode, index_heads=INDEX_HEADS, index_head_dim=INDEX_DIM, topk=TOPK,
                     query_chunk=CHUNK, kernels=KERNELS)
@@ -125,10 +125,10 @@ def _scoped(fn, name):
 
 def _install_scopes():
     """record_function scopes around the DSA functions (the product code has none)."""
-    import model_providers.glm5.dsa.attention as attention
-    import model_providers.glm5.dsa.indexer as indexer
-    import model_providers.glm5.dsa.kernels.sparse_mla_cpu as fused
-    import model_providers.glm5.dsa.sparse_attention as sparse
+    import model_providers.glm5.model.dsa.attention as attention
+    import model_providers.glm5.model.dsa.indexer as indexer
+    import model_providers.glm5.model.dsa.kernels.sparse_mla_cpu as fused
+    import model_providers.glm5.model.dsa.sparse_attention as sparse
 
     attention.DSACoreAttention._indexer_inputs = _scoped(attention.DSACoreAttention._indexer_inputs,
                                                          "indexer projection")

@@ -16,7 +16,7 @@ def gemm_ceiling(heads: int, dim: int, dv: int, k: int, chunk: int) -> float:
     transposed as the core reads them, or laid out [dim, k]); median of 15 each."""
     import torch
 
-    from model_providers.glm5.dsa.sparse_attention import rows_per_chunk
+    from model_providers.glm5.model.dsa.sparse_attention import rows_per_chunk
 
     c = rows_per_chunk(k, dim, 4, chunk)
     a = torch.randn(c, heads, dim)
@@ -39,7 +39,7 @@ def core_on_rows(length: int, heads: int, dim: int, dv: int, k: int, queries: in
     {"random": ..., "contiguous": ...}. None without the fused kernel."""
     import torch
 
-    from model_providers.glm5.dsa.kernels.sparse_mla_cpu import KEY_BLOCK, cpu_kernel
+    from model_providers.glm5.model.dsa.kernels.sparse_mla_cpu import KEY_BLOCK, cpu_kernel
 
     kernel = cpu_kernel()
     if kernel is None:

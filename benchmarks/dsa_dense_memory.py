@@ -1,7 +1,7 @@
 """Memory and time of DSA's dense core attention (dense mode, warm-up, the sparse mode's prefix)
 where SDPA's ``is_causal`` does not apply, forward + backward, fp32, batch 1, qk 256, v 256:
 the explicit-mask path it replaced (one SDPA call with a [1, 1, s, L] visibility mask, kept here
-as the reference) vs :func:`model_providers.glm5.dsa.dense_attention.dense_attention`.
+as the reference) vs :func:`model_providers.glm5.model.dsa.dense_attention.dense_attention`.
 
 Cases: L=8192 packed documents (4 of 2048 tokens, no CP) and L=32768 under CP2 emulated in one
 process (CP rank 0's 16384 zigzag queries against the 32768 gathered keys). Each (case, path)
@@ -38,7 +38,7 @@ def _layout(case: str):
     import torch
 
     from data_pipeline.packing import document_ids_from_lengths
-    from model_providers.glm5.dsa.layout import TokenLayout
+    from model_providers.glm5.model.dsa.visibility import TokenLayout
     from parallel.context_parallel import zigzag_positions
 
     if case == "packed_8k":
@@ -68,7 +68,7 @@ def _explicit_mask_attention(query, key, value, layout, scale):
 def child(case: str, path: str, heads: int) -> dict:
     import torch
 
-    from model_providers.glm5.dsa.dense_attention import dense_attention
+    from model_providers.glm5.model.dsa.dense_attention import dense_attention
 
     torch.manual_seed(0)
     layout = _layout(case)

@@ -79,8 +79,8 @@ def _median_ms(fn, reps: int, warmup: int = 1) -> float:
 
 
 def check_correctness(chunk: int, L: int = 4096) -> bool:
-    from model_providers.glm5.dsa.fp8 import fp8_logits_reference, index_logits, quantize_fp8
-    from model_providers.glm5.dsa.kernels.indexer_fp8_triton import fp8_index_logits_triton
+    from model_providers.glm5.model.dsa.fp8 import fp8_logits_reference, index_logits, quantize_fp8
+    from model_providers.glm5.model.dsa.kernels.indexer_fp8_triton import fp8_index_logits_triton
 
     q, k, w = _inputs(L, seed=1)
     q8, qs = quantize_fp8(q, pow2_scales=True)
@@ -121,8 +121,8 @@ def check_correctness(chunk: int, L: int = 4096) -> bool:
 
 
 def sweep_configs(chunk: int, reps: int, L: int = 32768):
-    from model_providers.glm5.dsa.fp8 import quantize_fp8
-    from model_providers.glm5.dsa.kernels.indexer_fp8_triton import fp8_index_logits_triton
+    from model_providers.glm5.model.dsa.fp8 import quantize_fp8
+    from model_providers.glm5.model.dsa.kernels.indexer_fp8_triton import fp8_index_logits_triton
 
     q, k, w = _inputs(L, seed=2)
     lo = L - chunk  # the last chunk sees every key: the most work
@@ -150,8 +150,8 @@ def sweep_configs(chunk: int, reps: int, L: int = 32768):
 
 
 def time_lengths(lengths, chunk: int, reps: int, cfg):
-    from model_providers.glm5.dsa.fp8 import index_logits, quantize_fp8
-    from model_providers.glm5.dsa.kernels.indexer_fp8_triton import fp8_index_logits_triton
+    from model_providers.glm5.model.dsa.fp8 import index_logits, quantize_fp8
+    from model_providers.glm5.model.dsa.kernels.indexer_fp8_triton import fp8_index_logits_triton
 
     bm, bn, nw, ns = cfg
     rows = []
@@ -193,9 +193,9 @@ def time_lengths(lengths, chunk: int, reps: int, cfg):
 
 def check_index_logits_triton(L: int = 4096, topk: int = 512) -> bool:
     """index_logits_triton (bf16, fp8) with zigzag query positions against the torch paths."""
-    from model_providers.glm5.dsa.fp8 import fp8_logits_reference, index_logits, quantize_fp8
-    from model_providers.glm5.dsa.kernels import index_logits_triton
-    from model_providers.glm5.dsa.topk import topk_indices
+    from model_providers.glm5.model.dsa.fp8 import fp8_logits_reference, index_logits, quantize_fp8
+    from model_providers.glm5.model.dsa.kernels import index_logits_triton
+    from model_providers.glm5.model.dsa.topk import topk_indices
 
     q, k, w = _inputs(L, seed=4)
     half = L // 4
@@ -230,8 +230,8 @@ def check_index_logits_triton(L: int = 4096, topk: int = 512) -> bool:
 
 def time_index_kernels(lengths, chunk: int, reps: int):
     """One causal pass with index_logits_triton: bf16 vs fp8 (keys quantised once per pass)."""
-    from model_providers.glm5.dsa.fp8 import quantize_fp8
-    from model_providers.glm5.dsa.kernels import index_logits_triton
+    from model_providers.glm5.model.dsa.fp8 import quantize_fp8
+    from model_providers.glm5.model.dsa.kernels import index_logits_triton
 
     rows = []
     for L in lengths:
@@ -312,8 +312,8 @@ def _rel(a, b) -> float:
 
 
 def check_sparse(L: int = 4096, rows: int = 512) -> bool:
-    from model_providers.glm5.dsa.kernels.sparse_mla_triton import sparse_mla_backward, sparse_mla_forward
-    from model_providers.glm5.dsa.sparse_attention import sparse_latent_attention
+    from model_providers.glm5.model.dsa.kernels.sparse_mla_triton import sparse_mla_backward, sparse_mla_forward
+    from model_providers.glm5.model.dsa.sparse_attention import sparse_latent_attention
 
     q, kv, go, idx, valid, scale = _sparse_inputs(L, rows, L - rows, seed=1)
     q32, kv32 = (t.float().requires_grad_() for t in (q, kv))
@@ -343,7 +343,7 @@ def check_sparse(L: int = 4096, rows: int = 512) -> bool:
 
 
 def sweep_sparse(reps: int, L: int = 32768, rows: int = 4096):
-    from model_providers.glm5.dsa.kernels.sparse_mla_triton import sparse_mla_backward, sparse_mla_forward
+    from model_providers.glm5.model.dsa.kernels.sparse_mla_triton import sparse_mla_backward, sparse_mla_forward
 
     q, kv, go, idx, valid, scale = _sparse_inputs(L, rows, L - rows, seed=2)
     o, lse, _ = sparse_mla_forward(q, kv, idx, valid, scale, LATENT)
@@ -407,7 +407,7 @@ def _dense_ms(L: int, reps: int):
 
 
 def time_sparse(lengths, reps: int, fwd_cfg: dict, bwd_cfg: dict):
-    from model_providers.glm5.dsa.kernels.sparse_mla_triton import sparse_mla_backward, sparse_mla_forward
+    from model_providers.glm5.model.dsa.kernels.sparse_mla_triton import sparse_mla_backward, sparse_mla_forward
 
     rows = []
     for L in lengths:

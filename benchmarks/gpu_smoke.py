@@ -89,13 +89,13 @@ def train_tiny(device: str, backend: str, dsa_mode: str, steps: int, seq: int) -
     """``steps`` training steps of the tiny GLM-5 (bf16, one rank) through pretrain.loop."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
-    from model_providers.glm5.config import DSAConfig, GLM5Config, PrecisionConfig, to_transformer_config
-    from model_providers.glm5.provider import build_model_chunks
+    from model_providers.glm5.model.config import DSAConfig, GLM5Config, PrecisionConfig, to_transformer_config
+    from model_providers.glm5.model.provider import build_model_chunks
     from parallel.config import ParallelConfig
     from parallel.initialize import initialize
     from pretrain.loop import configure_model_hooks, train_step
     from pretrain.optim import build_optimizer, build_scheduler
-    from pretrain.config import OptimizerConfig, SchedulerConfig, TrainerConfig
+    from pretrain.config.schema import OptimizerConfig, SchedulerConfig, TrainerConfig
 
     par = ParallelConfig(cpu_emulation="strict")
     initialize(par, seed=1234)
@@ -138,7 +138,7 @@ def train_tiny(device: str, backend: str, dsa_mode: str, steps: int, seq: int) -
 
 def indexer_kernel(device: str) -> dict:
     """Triton fp8 indexer logits vs the torch reference on the same quantised inputs."""
-    from model_providers.glm5.dsa.fp8 import index_logits
+    from model_providers.glm5.model.dsa.fp8 import index_logits
 
     if device != "cuda":
         return {"skipped": "the Triton kernel needs a GPU here (tests run it under TRITON_INTERPRET=1)"}
@@ -180,7 +180,7 @@ def _timed(fn, reps: int = 5) -> float:
 
 def sparse_attention(device: str) -> dict:
     """bf16 sparse MLA forward + backward vs the same computation in fp32."""
-    from model_providers.glm5.dsa.sparse_attention import sparse_latent_attention
+    from model_providers.glm5.model.dsa.sparse_attention import sparse_latent_attention
 
     s, L, n, lora, rope, k = (256, 4096, 16, 512, 64, 512) if device == "cuda" else (32, 128, 4, 64, 16, 16)
     g = torch.Generator().manual_seed(0)
@@ -218,7 +218,7 @@ def sparse_vs_flash(device: str, L: int = 32768) -> dict:
 
     import torch.nn.functional as F
 
-    from model_providers.glm5.dsa.sparse_attention import sparse_latent_attention
+    from model_providers.glm5.model.dsa.sparse_attention import sparse_latent_attention
 
     if device != "cuda":
         return {"skipped": "GPU only"}

@@ -36,9 +36,9 @@ def run_rank(length: int, cp: int, mode: str) -> None:
     from megatron.core import parallel_state
     from megatron.core.transformer.spec_utils import build_module
 
-    import model_providers.glm5.dsa.attention as attention
-    from model_providers.glm5.config import DSAConfig
-    from model_providers.glm5.specs import _local_layer_spec
+    import model_providers.glm5.model.dsa.attention as attention
+    from model_providers.glm5.model.config import DSAConfig
+    from model_providers.glm5.model.specs import _local_layer_spec
     from parallel.config import ParallelConfig
     from parallel.initialize import initialize
 

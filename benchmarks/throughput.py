@@ -38,8 +38,8 @@ def training_tokens_per_s(steps: int) -> list[tuple[str, int, float, float]]:
 def emulation_overhead(reps: int) -> tuple[float, float]:
     import torch
 
-    from model_providers.glm5.config import GLM5Config, PrecisionConfig, to_transformer_config
-    from model_providers.glm5.provider import build_model_chunks
+    from model_providers.glm5.model.config import GLM5Config, PrecisionConfig, to_transformer_config
+    from model_providers.glm5.model.provider import build_model_chunks
     from parallel.megatron_compat import cpu_emulation
     from parallel.config import ParallelConfig
     from parallel.initialize import initialize

@@ -173,7 +173,7 @@ def build_datasets(cfg: DataConfig, seq_length: int, seed: int, run_dir: str, vo
     """(train, valid) ``MixtureDataset``s; valid is None when the split has no valid share.
     ``valid_samples`` (default ``data.valid_samples``): held-out samples the caller will take
     with :meth:`MixtureDataset.stratified`."""
-    outputs = _prepared(cfg)  # the config was validated before any compute (pretrain.validation)
+    outputs = _prepared(cfg)  # the config was validated before any compute (pretrain.config.validation)
     return build_mixture(cfg, outputs, seq_length, seed, run_dir, vocab_size, num_samples, valid_samples)
 
 

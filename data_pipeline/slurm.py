@@ -14,6 +14,7 @@ from datatrove.executor.slurm import SlurmPipelineExecutor
 from datatrove.pipeline.base import PipelineStep
 
 from data_pipeline.config import CorpusConfig, DataConfig
+from data_pipeline.corpus_steps import finalize, num_tasks, pipeline
 
 
 class FinalizeCorpus(PipelineStep):
@@ -25,8 +26,6 @@ class FinalizeCorpus(PipelineStep):
         self.corpus, self.work_dir, self.final, self.tasks, self.files = corpus, work_dir, final, tasks, files
 
     def run(self, data=None, rank: int = 0, world_size: int = 1):
-        from data_pipeline.preprocess import finalize
-
         if not os.path.isdir(self.final):
             finalize(self.corpus, self.work_dir, self.tasks, self.files)
             os.rename(self.work_dir, self.final)
@@ -36,8 +35,6 @@ class FinalizeCorpus(PipelineStep):
 def executors(name: str, c: CorpusConfig, cfg: DataConfig, files: list[str], tok_path: str,
               final: str) -> tuple[SlurmPipelineExecutor, SlurmPipelineExecutor]:
     """(tokenize array job, finalize job depending on it)."""
-    from data_pipeline.preprocess import num_tasks, pipeline
-
     s = cfg.preprocess.slurm
     work = final + ".slurm"
     logs = os.path.join(os.path.dirname(final), "logs", os.path.basename(final))

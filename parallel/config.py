@@ -31,7 +31,7 @@ class ParallelConfig:
     #: layouts of a curriculum's stages on this cluster, by stage name: ``{stage: {field: value}}``
     #: over the stage's own ``parallel`` fields (and ``recompute``: none | selective | full, over
     #: the stage's). A cluster preset knows which layout each stage of a recipe needs there
-    #: (``python -m pretrain.plan --search`` finds them); the recipe does not.
+    #: (``python -m planner --search`` finds them); the recipe does not.
     stages: Dict[str, Dict[str, Any]] = field(default_factory=dict)
 
     @property

@@ -21,7 +21,7 @@ from typing import Any, Dict, List, Optional
 
 from omegaconf import OmegaConf
 
-from pretrain.errors import ConfigError
+from pretrain.config.errors import ConfigError
 
 IMPLICIT_STAGE = "pretrain"
 OPTIMIZER_STATES = ("carry", "reset")
@@ -83,7 +83,7 @@ class Stage:
     index: int
     name: str
     steps: int
-    rc: Any  #: pretrain.config.RunConfig with this stage's overrides applied
+    rc: Any  #: pretrain.config.schema.RunConfig with this stage's overrides applied
     optimizer_state: str
     trainable: List[str]
     data_offset: int = 0  #: samples of this stage's data stream consumed by earlier stages

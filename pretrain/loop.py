@@ -15,12 +15,12 @@ from megatron.core.transformer.moe import moe_utils
 from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 
 from data_pipeline.batches import micro_batch_samples, micro_batches
-from model_providers.glm5.dsa.attention import KL_TRACKER
-from model_providers.glm5.dsa.dense_attention import remember_host_document_ids
+from model_providers.glm5.model.dsa.attention import KL_TRACKER
+from model_providers.glm5.model.dsa.dense_attention import remember_host_document_ids
 from parallel.context_parallel import batch_on_this_cp_rank
 from parallel.megatron_compat import strict_cuda
 from parallel.device import current_device, to_device
-from pretrain.faults import step_is_finite
+from pretrain.reliability.faults import step_is_finite
 
 
 def lm_loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):

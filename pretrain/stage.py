@@ -10,9 +10,11 @@ import time
 from dataclasses import dataclass
 from typing import Optional
 
-from pretrain import checkpoint, memory_report
-from pretrain.checkpoint import TrainState
-from pretrain.console import checkpoint_line
+from checkpointing import state as checkpoint
+
+from pretrain.reporting import memory_report
+from checkpointing.state import TrainState
+from pretrain.reporting.console import checkpoint_line
 from pretrain.curriculum import Stage
 
 
@@ -22,9 +24,9 @@ class RunContext:
     run_dir: str
     config_yaml: str
     backend: str  #: model layer backend (local | te)
-    sink: object  #: pretrain.metrics.MetricsSink
-    preemption: object  #: pretrain.faults.PreemptionSignal
-    nonfinite: object  #: pretrain.faults.NonFinitePolicy
+    sink: object  #: pretrain.reporting.metrics.MetricsSink
+    preemption: object  #: pretrain.reliability.faults.PreemptionSignal
+    nonfinite: object  #: pretrain.reliability.faults.NonFinitePolicy
     preempted: bool = False  #: a signal stopped the run (after a checkpoint of the current step)
 
     @property
@@ -47,7 +49,7 @@ def restrict_trainable(model_chunks, patterns: list[str]) -> None:
 def wrap_ddp(tcfg, chunks, par) -> list:
     """megatron DDP around each model chunk as every stage trains it: fp32 gradient buffers, the
     distributed optimizer's padded param buffers when ``par.distributed_optimizer`` (the planner
-    sizes these same wrappers on the meta device: ``pretrain.plan.meta_build``)."""
+    sizes these same wrappers on the meta device: ``planner.meta_build``)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
     ddp_cfg = DistributedDataParallelConfig(
@@ -84,10 +86,10 @@ def run_stage(stage: Stage, how: str, latest: Optional[str], ctx: RunContext,
     from megatron.core import tensor_parallel
 
     from data_pipeline.build import CategoryTokens, build_datasets, build_train_dataset
-    from model_providers.glm5.config import to_transformer_config
-    from model_providers.glm5.provider import build_model_chunks
+    from model_providers.glm5.model.config import to_transformer_config
+    from model_providers.glm5.model.provider import build_model_chunks
     from parallel.initialize import initialize, set_seeds
-    from pretrain.logs import children_to_file
+    from pretrain.reporting.logs import children_to_file
     from pretrain.loop import configure_model_hooks
     from pretrain.optim import build_optimizer, build_scheduler
 
@@ -141,7 +143,7 @@ class _StageTrainer:
 
     def __init__(self, stage, ddp, optimizer, scheduler, probe, dataset, valid, categories, ctx,
                  save_final):
-        from model_providers.glm5.flops import train_flops_per_token
+        from model_providers.glm5.counting.flops import train_flops_per_token
 
         self.save_final = save_final
         self.memory_written = False
@@ -198,7 +200,7 @@ class _StageTrainer:
     def _reload_after_bad_steps(self, state, chunks) -> None:
         """The newest checkpoint's weights (and, when it is of this stage, optimizer and LR
         schedule); step and data position go on, so the batches since are not replayed."""
-        from pretrain.faults import reload_last_checkpoint
+        from pretrain.reliability.faults import reload_last_checkpoint
 
         path = checkpoint.latest_checkpoint(self.ctx.ckpt_dir)
         if path is not None and checkpoint.read_train_state(path).get("stage") != self.stage.name:

@@ -20,10 +20,12 @@ import hydra
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
-from pretrain import faults, jsonl
-from pretrain.config import CONF_DIR, RunConfig, compose, register, to_run_config
-from pretrain.run_lock import RunDirLock
-from pretrain.validation import ConfigError, override_notes, plan_run
+from pretrain.reliability import faults
+
+from pretrain.reporting import jsonl
+from pretrain.config.schema import CONF_DIR, RunConfig, compose, register, to_run_config
+from pretrain.reliability.run_lock import RunDirLock
+from pretrain.config.validation import ConfigError, override_notes, plan_run
 
 register()
 
@@ -50,8 +52,9 @@ def _on_rank0(fn):
 
 
 def _check_config_change(rc: RunConfig, stages, latest: str, state: dict, run_dir: str, rank: int) -> None:
-    """A resume must train what its checkpoint trained (pretrain.config_change)."""
-    from pretrain import checkpoint, config_change
+    """A resume must train what its checkpoint trained (pretrain.config.resume_changes)."""
+    from checkpointing import state as checkpoint
+    from pretrain.config.schema import resume_changes as config_change
     from pretrain.curriculum import plan
 
     old = config_change.checkpoint_config(checkpoint.read_common(latest))
@@ -89,20 +92,20 @@ def stage_summaries(history: list[dict]) -> list[dict]:
 
 
 def run(rc: RunConfig, config_yaml: str, changes=()) -> dict:
-    """``changes``: what the command line set (:func:`pretrain.overrides.changed_fields`)."""
-    from pretrain import console, logs
-
+    """``changes``: what the command line set (:func:`pretrain.config.overrides.changed_fields`)."""
+    from pretrain.reporting import console
+    from pretrain.reporting import logs
     routing = logs.route(rc.logger.verbose)  # first: megatron logs and warns as it is imported
     started = time.time()
     from megatron.core import parallel_state
 
-    from model_providers.glm5.specs import resolve_backend
+    from model_providers.glm5.model.specs import resolve_backend
     from parallel.initialize import dist_env, start_process_group
     from parallel.megatron_compat import release_cached_modules
-    from pretrain import checkpoint
+    from checkpointing import state as checkpoint
     from pretrain.curriculum import where_to_begin
-    from pretrain.metrics import MetricsSink
-    from pretrain.plots import plot_curriculum
+    from pretrain.reporting.metrics import MetricsSink
+    from pretrain.reporting.plots import plot_curriculum
     from pretrain.stage import RunContext, run_stage
 
     env = dist_env()
@@ -195,7 +198,7 @@ def run(rc: RunConfig, config_yaml: str, changes=()) -> dict:
 def main(cfg: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
 
-    from pretrain.overrides import changed_fields
+    from pretrain.config.overrides import changed_fields
 
     rc = to_run_config(cfg)
     changes = changed_fields(list(HydraConfig.get().overrides.task), compose, CONF_DIR, full=cfg)

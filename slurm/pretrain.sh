@@ -43,7 +43,7 @@
 
 set -uo pipefail
 
-PREEMPTED_EXIT=75  # pretrain.faults.PREEMPTED_EXIT
+PREEMPTED_EXIT=75  # pretrain.reliability.faults.PREEMPTED_EXIT
 
 cd "${SLURM_SUBMIT_DIR:-.}"
 

@@ -9,7 +9,7 @@ def pytest_sessionstart(session):
     them (the kernel's own tests run both widths whatever this says)."""
     import torch
 
-    from model_providers.glm5.dsa.kernels.sparse_mla_cpu import cpu_kernel, describe_lanes, kernel_lanes
+    from model_providers.glm5.model.dsa.kernels.sparse_mla_cpu import cpu_kernel, describe_lanes, kernel_lanes
 
     cpu_kernel()
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")

@@ -72,7 +72,7 @@ def _in_process_checkpoint_write_results() -> None:
     *spawned* multiprocessing Manager (``filesystem_async._get_write_results_queue``): a fresh
     interpreter per rank that re-imports the training entry point at the first save (5-10 s of
     CPU per rank). That queue only has to cross processes for asynchronous saves; ours are
-    synchronous (``pretrain.checkpoint``: the write runs in this process, its forked writers
+    synchronous (``checkpointing.state``: the write runs in this process, its forked writers
     report through their own queue), so a plain in-process queue carries the results. An
     asynchronous save would need megatron's queue back: drop this fix then."""
     from megatron.core.dist_checkpointing.strategies import filesystem_async

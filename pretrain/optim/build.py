@@ -20,7 +20,7 @@ from megatron.core.optimizer.optimizer import (Float16OptimizerWithFloat16Params
                                                param_group_identifier_keys)
 from megatron.core.optimizer.optimizer_config import ParamKey
 
-from pretrain.config import OptimizerConfig
+from pretrain.config.schema import OptimizerConfig
 from pretrain.optim.matrices import muon_matrices
 from pretrain.optim.muon_adamw import DPAssembly, MuonAdamW, MuonHyper, ShardPlacement
 

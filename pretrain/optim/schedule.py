@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-from pretrain.config import OptimizerConfig, SchedulerConfig
+from pretrain.config.schema import OptimizerConfig, SchedulerConfig
 from pretrain.optim.matrices import SPLITS
 from pretrain.optim.newton_schulz import NS_DTYPES, SCALES
 

@@ -130,9 +130,9 @@ def measure(rc, env) -> int:
     from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
-    from model_providers.glm5.config import to_transformer_config
-    from model_providers.glm5.provider import build_model_chunks
-    from model_providers.glm5.specs import resolve_backend
+    from model_providers.glm5.model.config import to_transformer_config
+    from model_providers.glm5.model.provider import build_model_chunks
+    from model_providers.glm5.model.specs import resolve_backend
     from parallel.initialize import initialize
     from pretrain import loop
     from pretrain.optim import build_optimizer, build_scheduler
@@ -177,7 +177,7 @@ def case_configs(base: list[str], cases: list[str]) -> list:
     ``key=value`` fields (YAML values)."""
     from omegaconf import OmegaConf
 
-    from pretrain.config import compose, to_run_config
+    from pretrain.config.schema import compose, to_run_config
 
     composed = compose(base)
     return [to_run_config(OmegaConf.merge(composed, OmegaConf.from_dotlist(case.split())))

@@ -16,7 +16,7 @@ import weakref
 
 import torch.distributed as dist
 
-import model_providers.glm5.provider as provider
+import model_providers.glm5.model.provider as provider
 import parallel.initialize as initialize
 import pretrain.optim as optim
 import pretrain.stage as stage

@@ -13,8 +13,8 @@ import sys
 
 import torch
 
-import model_providers.glm5.provider as provider
-import pretrain.faults as faults
+import model_providers.glm5.model.provider as provider
+import pretrain.reliability.faults as faults
 import pretrain.loop as loop
 
 

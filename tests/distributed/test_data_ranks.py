@@ -68,7 +68,7 @@ def test_two_rank_run_logs_tokens_per_category(tmp_path):
                          "trainer.seq_length=64", f"trainer.run_dir={run_dir}", "checkpoint.save_at_end=false"],
                         nproc=2)
     assert summary["steps"] == 2 and summary["world_size"] == 2
-    for rank in (0, 1):  # megatron's chatter of each rank is in its own file (pretrain.logs)
+    for rank in (0, 1):  # megatron's chatter of each rank is in its own file (pretrain.reporting.logs)
         assert "megatron.core" in (run_dir / "logs" / f"rank{rank}.log").read_text()
     metrics = read_metrics(str(run_dir))
     for step, rec in enumerate(metrics, start=1):

@@ -101,8 +101,8 @@ def test_sigterm_to_one_rank_stops_all_at_the_same_step(tmp_path):
 
     import psutil
 
-    from pretrain import checkpoint
-    from pretrain.faults import PREEMPTED_EXIT
+    from checkpointing import state as checkpoint
+    from pretrain.reliability.faults import PREEMPTED_EXIT
 
     run_dir = tmp_path / "run"
     steps = 8

@@ -41,9 +41,9 @@ def imported(tmp_path_factory):
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    from model_providers.glm5.dist_io import load_common
-    from model_providers.glm5.hf_convert import config_from_common, ensure_one_rank, import_hf
-    from model_providers.glm5.hf_eval import (
+    from checkpointing.dist_io import load_common
+    from model_providers.glm5.hf.convert import config_from_common, ensure_one_rank, import_hf
+    from model_providers.glm5.hf.evaluate import (
         build_eval_model, hf_next_token_loss, load_weights, next_token_loss)
     from parallel.config import ParallelConfig
 

@@ -36,7 +36,7 @@ def reference(tmp_path_factory):
 def _assert_memory_as_planned(run_dir):
     """Each rank's weights, grads, main params and optimizer state, measured after its first step
     (memory/rank<N>.json), are the planner's numbers for its pipeline and data-parallel ranks."""
-    from pretrain.plan.memory import compare_with_run
+    from planner.memory import compare_with_run
 
     rows = compare_with_run(str(run_dir))
     assert rows and all(r["predicted"] == r["measured"] for r in rows), [

@@ -32,7 +32,7 @@ pytestmark = pytest.mark.heavy
 def _assert_memory_as_planned(run_dir):
     """Each rank's weights, grads, main params and optimizer state (Muon: momentum and the zero
     ``exp_avg_sq``; Adam for the rest), measured after its first step, are the planner's."""
-    from pretrain.plan.memory import compare_with_run
+    from planner.memory import compare_with_run
 
     rows = compare_with_run(str(run_dir))
     assert rows and all(r["predicted"] == r["measured"] for r in rows), [

@@ -1,4 +1,4 @@
-"""The planner's activation estimate (``pretrain.plan.activations``) against the peak activation
+"""The planner's activation estimate (``planner.activations``) against the peak activation
 memory measured by tracking tensor allocations (``tests.distributed.activation_probe``) during one
 training step of the tiny model: sequence 512 and 2048, dense and sparse DSA, recompute none /
 selective / full, on 1 rank and on TP2 (+SP) / PP2 (1F1B, 2 micro-batches) / CP2 -- every rank
@@ -68,9 +68,9 @@ def measured(tmp_path_factory) -> dict:
 
 
 def _estimate(case: str, world: int, pp_rank: int, cp_rank: int):
-    from model_providers.glm5.specs import resolve_backend
-    from pretrain.plan.activations import activation_bytes
-    from pretrain.validation import check_run
+    from model_providers.glm5.model.specs import resolve_backend
+    from planner.activations import activation_bytes
+    from pretrain.config.validation import check_run
     from tests.distributed.activation_probe import case_configs
 
     rc = case_configs(BASE, [case])[0]

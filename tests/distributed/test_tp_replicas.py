@@ -24,8 +24,8 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    from model_providers.glm5.config import GLM5Config, PrecisionConfig, to_transformer_config
-    from model_providers.glm5.provider import build_model_chunks
+    from model_providers.glm5.model.config import GLM5Config, PrecisionConfig, to_transformer_config
+    from model_providers.glm5.model.provider import build_model_chunks
     from parallel.config import ParallelConfig
     from parallel.initialize import DistEnv, initialize
 

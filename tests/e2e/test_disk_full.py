@@ -12,7 +12,7 @@ import traceback
 import pytest
 from torch.distributed.checkpoint.api import CheckpointException
 
-from pretrain import checkpoint
+from checkpointing import state as checkpoint
 from tests.launch import QUIET, REPO, train_command, train_env
 
 

@@ -1,7 +1,7 @@
 """Each DSA core attention's top-k selection, read from outside the model: the production modules
 keep no inspection state, so the probe wraps the ``select_topk`` that
-``model_providers.glm5.dsa.attention`` calls and notes, with a forward pre-hook on every
-:class:`~model_providers.glm5.dsa.attention.DSACoreAttention`, which core is selecting."""
+``model_providers.glm5.model.dsa.attention`` calls and notes, with a forward pre-hook on every
+:class:`~model_providers.glm5.model.dsa.attention.DSACoreAttention`, which core is selecting."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ class TopkProbe:
     a core that selected nothing (dense mode, or every query sees at most top-k keys) is absent."""
 
     def __init__(self, model: torch.nn.Module):
-        from model_providers.glm5.dsa import attention
+        from model_providers.glm5.model.dsa import attention
 
         self._attention = attention
         self.cores = [m for m in model.modules() if isinstance(m, attention.DSACoreAttention)]

@@ -17,8 +17,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from omegaconf import OmegaConf
 
-from model_providers.glm5.config import GLM5Config, PrecisionConfig, to_transformer_config
-from model_providers.glm5.provider import build_model_chunks
+from model_providers.glm5.model.config import GLM5Config, PrecisionConfig, to_transformer_config
+from model_providers.glm5.model.provider import build_model_chunks
 from parallel.config import ParallelConfig
 from parallel.initialize import DistEnv, initialize
 
@@ -227,7 +227,7 @@ class TestGLM5_744B:
     def test_one_shared_mtp_layer(self, built):
         from megatron.core.transformer.moe.moe_layer import MoELayer
 
-        from model_providers.glm5.mtp import SharedMultiTokenPredictionBlock
+        from model_providers.glm5.model.mtp import SharedMultiTokenPredictionBlock
 
         cfg, tcfg, model = built
         assert tcfg.mtp_num_layers == cfg.mtp_num_steps == 3
@@ -356,7 +356,7 @@ def test_shared_mtp_equals_megatron_block_with_tied_copies(tiny, batch):
         MultiTokenPredictionBlockSubmodules,
     )
 
-    from model_providers.glm5.specs import decoder_block_spec, mtp_block_spec
+    from model_providers.glm5.model.specs import decoder_block_spec, mtp_block_spec
 
     cfg, tcfg, model = tiny
     one = mtp_block_spec(tcfg, "local", cfg.dsa)

@@ -1,10 +1,10 @@
-"""Local <-> Transformer Engine tensor names (``model_providers/glm5/backend_keys.py``).
+"""Local <-> Transformer Engine tensor names (``checkpointing/backend_keys.py``).
 
 TE cannot be built here, so the TE key set is derived from the spec structure (``specs.py`` +
 megatron-core 0.16.1's TE modules) and checked on every key of the tiny model's local state
 dict, sharded state dict and checkpoint, and on the full GLM-5 naming (3 dense + 75 MoE layers,
 256 experts, MTP): the round trip is the identity, the TE names of each renamed family are the
-expected ones, and checkpoints cross backends through ``pretrain.checkpoint.load`` and the HF
+expected ones, and checkpoints cross backends through ``checkpointing.state.load`` and the HF
 export.
 """
 
@@ -19,8 +19,8 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from model_providers.glm5 import backend_keys as bk
-from model_providers.glm5.backend_keys import LOCAL, TE
+from checkpointing import backend_keys as bk
+from checkpointing.backend_keys import LOCAL, TE
 
 TE_ONLY_IN_LAYER = ["input_layernorm._extra_state", "self_attention.q_layernorm._extra_state",
                     "self_attention.kv_layernorm._extra_state",
@@ -29,14 +29,14 @@ TE_ONLY_IN_LAYER = ["input_layernorm._extra_state", "self_attention.q_layernorm.
 
 
 def _cfg(name: str):
-    from model_providers.glm5.config import GLM5Config
+    from model_providers.glm5.model.config import GLM5Config
 
     raw = OmegaConf.load(f"conf/model/{name}.yaml")
     return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(GLM5Config), raw))
 
 
 def _tiny_model(seed: int = 0):
-    from model_providers.glm5.hf_eval import build_eval_model
+    from model_providers.glm5.hf.evaluate import build_eval_model
     from parallel.config import ParallelConfig
 
     torch.manual_seed(seed)
@@ -219,7 +219,7 @@ def test_prefixed_optimizer_keys(key_spaces):
 
 
 def test_hf_names_accept_te_naming():
-    from model_providers.glm5.hf_mapping import hf_names
+    from model_providers.glm5.hf.mapping import hf_names
 
     assert hf_names("decoder.layers.0.mlp.linear_fc1.layer_norm_weight", 4) == \
         hf_names("decoder.layers.0.pre_mlp_layernorm.weight", 4) == ("model.layers.0.post_attention_layernorm.weight",)
@@ -245,7 +245,7 @@ def _save(sharded: dict, path, backend: str | None) -> None:
     unless None, the recorded backend."""
     from megatron.core import dist_checkpointing
 
-    from model_providers.glm5.hf_convert import COMMON_MODEL
+    from model_providers.glm5.hf.convert import COMMON_MODEL
     from parallel import megatron_compat
 
     common = {COMMON_MODEL: json.dumps(dataclasses.asdict(_cfg("glm5_tiny")))}
@@ -270,8 +270,7 @@ def _te_named_checkpoint(model, path, record: bool = True):
 
 
 def test_checkpoint_written_by_te_loads_into_a_local_model(tiny, tmp_path):
-    from pretrain import checkpoint
-
+    from checkpointing import state as checkpoint
     _te_named_checkpoint(tiny, tmp_path / "te")
     assert bk.checkpoint_backend(str(tmp_path / "te")) == TE
     fresh = _tiny_model(seed=1)
@@ -325,7 +324,7 @@ def test_te_model_request_loads_from_a_local_checkpoint(tiny, tmp_path):
 def test_hf_export_of_a_te_checkpoint_equals_the_local_one(tiny, tmp_path):
     from safetensors.torch import load_file
 
-    from model_providers.glm5.hf_convert import export_hf
+    from model_providers.glm5.hf.convert import export_hf
 
     _te_named_checkpoint(tiny, tmp_path / "te")
     _save(tiny.sharded_state_dict(), tmp_path / "local", LOCAL)

@@ -8,7 +8,7 @@ import logging
 
 import pytest
 
-from pretrain import checkpoint
+from checkpointing import state as checkpoint
 from tests.unit.test_faults import _fake_checkpoint
 
 
@@ -21,7 +21,7 @@ def test_a_damaged_latest_is_a_hint_the_scan_overrules(tmp_path, caplog, content
     _fake_checkpoint(tmp_path, 2)
     newest = _fake_checkpoint(tmp_path, 10)  # step 10 sorts after 2 by number, not as text
     (tmp_path / "latest").write_bytes(content)
-    with caplog.at_level(logging.WARNING, logger="pretrain.checkpoint_files"):
+    with caplog.at_level(logging.WARNING, logger="checkpointing.files"):
         assert checkpoint.latest_checkpoint(str(tmp_path)) == str(newest)
     assert f"resuming from {newest}, the newest complete checkpoint: {tmp_path / 'latest'} {why}" in caplog.text
 

@@ -18,9 +18,9 @@ from hydra.errors import ConfigCompositionException
 from omegaconf.errors import ConfigKeyError
 
 from data_pipeline.tokenizer import tokenizer_vocab_size
-from model_providers.glm5.config import GLM5Config, check_model
-from pretrain.config import RunConfig, register, to_run_config
-from pretrain.validation import ConfigError, check_run, plan_run
+from model_providers.glm5.model.config import GLM5Config, check_model
+from pretrain.config.schema import RunConfig, register, to_run_config
+from pretrain.config.validation import ConfigError, check_run, plan_run
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 CONF = os.path.join(REPO, "conf")
@@ -232,7 +232,7 @@ def test_train_entry_point_rejects_bad_layout_before_creating_the_run_dir(tmp_pa
 
 
 def test_recompute_options_are_checked_and_reach_megatron():
-    from model_providers.glm5.config import PrecisionConfig, to_transformer_config
+    from model_providers.glm5.model.config import PrecisionConfig, to_transformer_config
     from parallel.config import ParallelConfig
 
     assert check_model(GLM5Config(recompute="partial"), PrecisionConfig(), 128) == [
@@ -253,8 +253,8 @@ YARN = ("model.rope_type=yarn", "model.yarn.factor=4", "model.yarn.original_max_
 
 
 def test_yarn_reaches_megatron_and_the_indexer():
-    from model_providers.glm5.config import PrecisionConfig, YarnConfig, to_transformer_config
-    from model_providers.glm5.dsa.indexer import mla_yarn
+    from model_providers.glm5.model.config import PrecisionConfig, YarnConfig, to_transformer_config
+    from model_providers.glm5.model.dsa.indexer import mla_yarn
     from parallel.config import ParallelConfig
 
     rc = _rc(*YARN, "model.yarn.beta_fast=16", "model.yarn.beta_slow=2", "model.yarn.mscale=0.707",

@@ -4,8 +4,8 @@ change; extending a finished schedule is named as such (issue 17, case 7)."""
 
 from __future__ import annotations
 
-from pretrain.config import compose, to_run_config
-from pretrain.config_change import training_changes
+from pretrain.config.schema import compose, to_run_config
+from pretrain.config.resume_changes import training_changes
 from pretrain.curriculum import plan
 
 

@@ -1,5 +1,5 @@
-"""The run's console: library logs routed to <run_dir>/logs (pretrain.logs), the banner's
-parameter counts (pretrain.model_size) and its lines (pretrain.console)."""
+"""The run's console: library logs routed to <run_dir>/logs (pretrain.reporting.logs), the banner's
+parameter counts (model_providers.glm5.counting.size) and its lines (pretrain.reporting.console)."""
 
 from __future__ import annotations
 
@@ -13,9 +13,10 @@ import warnings
 import pytest
 from omegaconf import OmegaConf
 
-from model_providers.glm5.config import GLM5Config, PrecisionConfig, to_transformer_config
-from pretrain import console, logs
-from pretrain.model_size import human, model_size
+from model_providers.glm5.model.config import GLM5Config, PrecisionConfig, to_transformer_config
+from pretrain.reporting import console
+from pretrain.reporting import logs
+from model_providers.glm5.counting.size import human, model_size
 
 CONF = os.path.join(os.path.dirname(__file__), "..", "..", "conf")
 BUCKET = "Params for bucket 1 (1378528 elements, 1378528 padded size):"
@@ -46,7 +47,7 @@ def test_library_logs_go_to_the_rank_file_and_ours_stay_on_the_console(routing, 
     r = routing(verbose=False)
     _library_chatter()  # before the run dir exists: held, then written to the file
     path = r.to_file(str(tmp_path), rank=0)
-    logging.getLogger("pretrain.checkpoint").warning("checkpoint fallback to iter_0000002")
+    logging.getLogger("checkpointing.state").warning("checkpoint fallback to iter_0000002")
     logging.getLogger("pretrain.stage").info("our own info line")
     logging.getLogger("megatron.core.optimizer").error("a library error")
     err = capsys.readouterr().err
@@ -74,7 +75,7 @@ def test_verbose_brings_library_logs_back_to_the_console(routing, tmp_path, caps
 def test_other_ranks_print_only_errors(routing, tmp_path, capsys):
     r = routing(verbose=False)
     r.to_file(str(tmp_path), rank=1)
-    logging.getLogger("pretrain.checkpoint").warning("rank 1 warning")
+    logging.getLogger("checkpointing.state").warning("rank 1 warning")
     logging.getLogger("pretrain.stage").error("rank 1 error")
     err = capsys.readouterr().err
     assert "rank 1 warning" not in err and "error: rank 1 error" in err
@@ -136,7 +137,7 @@ def test_744b_counts_match_the_hf_dump():
 @pytest.mark.parametrize("change", [{}, {"vocab_size": 300, "mtp_num_steps": 0},
                                     {"num_experts": None, "first_k_dense": 0, "mtp_num_steps": 2}])
 def test_counts_equal_the_built_model(one_rank, change):
-    from model_providers.glm5.provider import build_model_chunks
+    from model_providers.glm5.model.provider import build_model_chunks
     from parallel.config import ParallelConfig
 
     cfg = dataclasses.replace(GLM5Config(), **change)
@@ -155,8 +156,8 @@ def test_counts_equal_the_built_model(one_rank, change):
 
 
 def test_banner_of_the_default_curriculum():
-    from pretrain.config import compose, to_run_config
-    from pretrain.validation import plan_run
+    from pretrain.config.schema import compose, to_run_config
+    from pretrain.config.validation import plan_run
 
     rc = to_run_config(compose([]))
     stages = plan_run(rc, 1)

@@ -375,8 +375,8 @@ def test_mla_builds_from_megatron_local_spec(single_rank_model_parallel):
 
     from megatron.core.transformer.spec_utils import ModuleSpec
 
-    from model_providers.glm5.config import DSAConfig
-    from model_providers.glm5.dsa.attention import DSACoreAttention
+    from model_providers.glm5.model.config import DSAConfig
+    from model_providers.glm5.model.dsa.attention import DSACoreAttention
 
     model_parallel_cuda_manual_seed(42)
     cfg = MLATransformerConfig(

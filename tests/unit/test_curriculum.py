@@ -10,10 +10,10 @@ import pytest
 import torch.distributed as dist
 from hydra import compose, initialize_config_dir
 
-from pretrain.config import register, to_run_config
+from pretrain.config.schema import register, to_run_config
 from pretrain.curriculum import Begin, CurriculumConfig, where_to_begin
 from pretrain.curriculum import plan as plan_with_problems
-from pretrain.validation import ConfigError, plan_run
+from pretrain.config.validation import ConfigError, plan_run
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 register()
@@ -146,7 +146,7 @@ def test_bad_curricula_are_rejected_before_compute(overrides, message):
 def test_a_stage_switches_to_yarn():
     """Stage overrides are per stage (like rope_theta): extend_1024 trains with YaRN, the others
     keep the model's plain RoPE; the stage's config is what megatron's MLA is built from."""
-    from model_providers.glm5.config import PrecisionConfig, YarnConfig, to_transformer_config
+    from model_providers.glm5.model.config import PrecisionConfig, YarnConfig, to_transformer_config
 
     stages = plan_run(_rc("curriculum.stages.4.rope_type=yarn", "+curriculum.stages.4.yarn.factor=8",
                           "+curriculum.stages.4.yarn.original_max_position_embeddings=128"), 1)

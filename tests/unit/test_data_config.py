@@ -10,11 +10,11 @@ import pytest
 import torch.distributed as dist
 from hydra import compose, initialize_config_dir
 
-from data_pipeline.config import (CorpusConfig, DataConfig, DataConfigError, check_data,
-                                  validate_data)
-from pretrain.config import register, to_run_config
-from pretrain.validation import ConfigError
-from pretrain.validation import plan_run as validate
+from data_pipeline.config import CorpusConfig, DataConfig, DataConfigError
+from data_pipeline.validation import check_data, validate_data
+from pretrain.config.schema import register, to_run_config
+from pretrain.config.validation import ConfigError
+from pretrain.config.validation import plan_run as validate
 from tests.unit.data_support import REPO, default_data_cfg
 
 register()

@@ -15,7 +15,7 @@ from data_pipeline.batches import micro_batch_samples, micro_batches
 from data_pipeline.build import build_datasets
 from data_pipeline.config import DataConfigError
 from pretrain.loop import lm_loss_func, validation_metrics, with_sample_sums
-from pretrain.metrics import category_losses
+from pretrain.reporting.metrics import category_losses
 from tests.launch import read_metrics, run_train
 from tests.unit.data_support import default_data_cfg
 
@@ -63,7 +63,7 @@ def test_validation_metrics_weigh_categories_by_the_mixture():
 def test_plot_gets_a_panel_per_category(tmp_path):
     from PIL import Image
 
-    from pretrain.plots import plot_curriculum
+    from pretrain.reporting.plots import plot_curriculum
 
     rows = [{"step": s, "stage": "a" if s < 3 else "b", "consumed_tokens": 100 * s, "loss": 5.0 - s / 10,
              "lm_loss": 4.9 - s / 10, "lr": 1e-3, "seq_length": 64} for s in range(1, 6)]

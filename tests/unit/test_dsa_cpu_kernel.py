@@ -24,9 +24,9 @@ import math
 import pytest
 import torch
 
-import model_providers.glm5.dsa.attention as attention
-from model_providers.glm5.dsa.kernels import sparse_mla_cpu as fused
-from model_providers.glm5.dsa.sparse_attention import SparseLatentAttention
+import model_providers.glm5.model.dsa.attention as attention
+from model_providers.glm5.model.dsa.kernels import sparse_mla_cpu as fused
+from model_providers.glm5.model.dsa.sparse_attention import SparseLatentAttention
 from tests.unit.test_dsa_layer import outputs_per_kernel_choice
 
 #: unit roundoff of each dtype the kernel takes or returns
@@ -170,7 +170,7 @@ def _kl_runs(kl_fn, exact_fn, leaves):
 def test_fused_indexer_kl_equals_torch_path(lanes, hidden, heads):
     """The sparse KL and its gradients to the indexer's q, k and weights. d = 20 and 37 keys:
     vector loops with scalar tails; 3 and 11 heads: the micro-kernels' head and row tiles of every size."""
-    from model_providers.glm5.dsa.kl import sparse_kl
+    from model_providers.glm5.model.dsa.kl import sparse_kl
 
     b, s, d, L, k = 2, 9, 20, 70, 37
     g = torch.Generator().manual_seed(5)
@@ -193,8 +193,8 @@ def test_fused_dense_kl_equals_torch_path(lanes, layout_kind):
     to the indexer's q, k and weights equal the torch path's, for plain causal rows (masked from
     the chunk's first row on only), packed documents with different boundaries per sample
     (b = 2), and CP-style non-contiguous query positions; chunks that do not divide the rows."""
-    from model_providers.glm5.dsa.kl import dense_kl
-    from model_providers.glm5.dsa.layout import TokenLayout
+    from model_providers.glm5.model.dsa.kl import dense_kl
+    from model_providers.glm5.model.dsa.visibility import TokenLayout
 
     g = torch.Generator().manual_seed(7)
     b, L, n, D, h, d = 2, 29, 3, 10, 2, 8
@@ -226,7 +226,7 @@ def test_fused_indexer_kl_has_no_bias_near_convergence(lanes):
     value here. The torch path must stay within 4 sigma of an fp64 evaluation, and the fused
     kernel within twice the torch path's error plus sigma (as in the other tests: the same
     formula in other orders), which a bias of that size breaks."""
-    from model_providers.glm5.dsa.kl import sparse_kl
+    from model_providers.glm5.model.dsa.kl import sparse_kl
 
     b, s, heads, d, L, k = 2, 384, 4, 32, 700, 512
     g = torch.Generator().manual_seed(1)
@@ -252,7 +252,7 @@ def test_fused_topk_equals_torch_topk(lanes, k):
     """The radix-select top-k picks what ``topk_indices`` picks, in the same (ascending) order:
     ties (many: scores from 40 values) lowest position first, -inf, NaN as -inf, -0.0 tying
     +0.0, rows that are all one value, k = L."""
-    from model_providers.glm5.dsa.topk import topk_indices
+    from model_providers.glm5.model.dsa.topk import topk_indices
 
     g = torch.Generator().manual_seed(k)
     scores = torch.randint(-20, 20, (2, 5, 1001), generator=g).float() / 4

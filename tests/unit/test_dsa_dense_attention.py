@@ -8,9 +8,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from data_pipeline.packing import document_ids_from_lengths
-from model_providers.glm5.dsa import dense_attention as dense_attention_module
-from model_providers.glm5.dsa.dense_attention import BLOCK_ROWS, block_plan, dense_attention
-from model_providers.glm5.dsa.layout import TokenLayout
+from model_providers.glm5.model.dsa import dense_attention as dense_attention_module
+from model_providers.glm5.model.dsa.dense_attention import BLOCK_ROWS, block_plan, dense_attention
+from model_providers.glm5.model.dsa.visibility import TokenLayout
 from parallel.context_parallel import zigzag_positions
 
 SCALE = 0.21

@@ -1,4 +1,4 @@
-"""FP8 lightning-indexer scoring (model_providers/glm5/dsa/fp8.py and the Triton kernel):
+"""FP8 lightning-indexer scoring (model_providers/glm5/model/dsa/fp8.py and the Triton kernel):
 blockwise e4m3 quantisation within its documented error bound, FP8 logits within the logit
 bound, the Triton kernel (CPU interpreter, in a subprocess) equal to the torch FP8 reference,
 and top-k recall of the FP8 and bf16 paths against fp32."""
@@ -14,7 +14,7 @@ import textwrap
 import pytest
 import torch
 
-from model_providers.glm5.dsa.fp8 import (
+from model_providers.glm5.model.dsa.fp8 import (
     FP8_DTYPE,
     FP8_MAX,
     FP8_REL_ERR,
@@ -137,8 +137,8 @@ def test_reference_matches_fp32_math_on_dequantised_inputs_and_chunking():
 _INTERPRETER_SCRIPT = textwrap.dedent(
     """
     import json, torch
-    from model_providers.glm5.dsa.fp8 import quantize_fp8, fp8_logits_reference, index_logits
-    from model_providers.glm5.dsa.kernels import indexer_fp8_triton as K
+    from model_providers.glm5.model.dsa.fp8 import quantize_fp8, fp8_logits_reference, index_logits
+    from model_providers.glm5.model.dsa.kernels import indexer_fp8_triton as K
     from triton.runtime.interpreter import InterpretedFunction
     res = {"interpreted": isinstance(K._fp8_index_kernel, InterpretedFunction), "cases": []}
     H, d, sk = 4, 128, 48
@@ -193,7 +193,7 @@ def test_triton_kernel_in_interpreter_matches_reference():
 
 
 def test_kernel_module_imports_without_gpu_and_refuses_cpu_tensors():
-    from model_providers.glm5.dsa.kernels import HAVE_TRITON, indexer_fp8_triton as K
+    from model_providers.glm5.model.dsa.kernels import HAVE_TRITON, indexer_fp8_triton as K
 
     assert HAVE_TRITON
     if K._interpreted():

@@ -6,9 +6,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from model_providers.glm5.dsa.indexer import index_logits, select_topk
-from model_providers.glm5.dsa.rope import apply_rope, rope_cos_sin, yarn_inv_freq
-from model_providers.glm5.dsa.topk import topk_indices
+from model_providers.glm5.model.dsa.indexer import index_logits, select_topk
+from model_providers.glm5.model.dsa.rope import apply_rope, rope_cos_sin, yarn_inv_freq
+from model_providers.glm5.model.dsa.topk import topk_indices
 
 
 def _naive_scores(q, k, w):
@@ -86,7 +86,7 @@ def test_rope_is_a_rotation_with_relative_positions(interleaved):
 
 
 def test_hadamard_rotation_is_orthonormal_and_matches_matrix():
-    from model_providers.glm5.dsa.hadamard import hadamard_rotate
+    from model_providers.glm5.model.dsa.hadamard import hadamard_rotate
 
     dim = 16
     H = torch.tensor([[1.0]])
@@ -131,7 +131,7 @@ def test_indexer_yarn_rope_equals_megatrons_mla_rotary(dim, theta, yarn):
     its indexer the model's cos/sin): the same fp32 frequencies bit for bit, the same scale, and
     cos/sin within the rounding of megatron's fp32 angles at positions up to 4x the original
     context. YaRN must differ from plain RoPE there, or this proves nothing."""
-    from model_providers.glm5.config import YarnConfig
+    from model_providers.glm5.model.config import YarnConfig
 
     y = YarnConfig(**yarn)
     orig = y.original_max_position_embeddings
@@ -153,7 +153,7 @@ def test_indexer_yarn_rope_equals_megatrons_mla_rotary(dim, theta, yarn):
 def test_yarn_with_factor_one_is_plain_rope():
     """YaRN at factor 1 (no extension; validation forbids it, the formula must still degenerate)
     gives plain RoPE, and plain RoPE is unchanged: fp64 angles of theta^(-2i/dim)."""
-    from model_providers.glm5.config import YarnConfig
+    from model_providers.glm5.model.config import YarnConfig
 
     pos = torch.tensor([0, 3, 100, 5000, 70000])
     inv = 1.0 / (1e6 ** (torch.arange(0, 16, 2, dtype=torch.float64) / 16))

@@ -15,9 +15,9 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 _SCRIPT = r"""
 import json, torch
-import model_providers.glm5.dsa.attention as attention
-import model_providers.glm5.dsa.indexer as indexer
-import model_providers.glm5.dsa.kernels as kernels
+import model_providers.glm5.model.dsa.attention as attention
+import model_providers.glm5.model.dsa.indexer as indexer
+import model_providers.glm5.model.dsa.kernels as kernels
 from parallel.config import ParallelConfig
 from parallel.initialize import initialize
 from tests.unit.test_dsa_layer import outputs_per_kernel_choice
@@ -37,7 +37,7 @@ def counted(name, fn):
 attention.sparse_mla_triton = counted("attention", attention.sparse_mla_triton)
 kernels.index_logits_triton = counted("indexer", kernels.index_logits_triton)
 res = outputs_per_kernel_choice(("torch", "triton"))
-from model_providers.glm5.dsa.layout import TokenLayout
+from model_providers.glm5.model.dsa.visibility import TokenLayout
 from parallel.context_parallel import zigzag_positions
 g = torch.Generator().manual_seed(0)
 same_topk = []
@@ -70,7 +70,7 @@ def test_triton_kernels_in_the_layer_equal_torch_kernels():
 
 
 def test_kernel_choice_is_validated_before_compute(monkeypatch):
-    from model_providers.glm5.config import DSAConfig, GLM5Config, check_model
+    from model_providers.glm5.model.config import DSAConfig, GLM5Config, check_model
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     bad = check_model(GLM5Config(dsa=DSAConfig(kernels="cuda")), *_check_args())
@@ -81,6 +81,6 @@ def test_kernel_choice_is_validated_before_compute(monkeypatch):
 
 
 def _check_args():
-    from model_providers.glm5.config import PrecisionConfig
+    from model_providers.glm5.model.config import PrecisionConfig
 
     return PrecisionConfig(), 1024

@@ -5,9 +5,9 @@ import math
 
 import torch
 
-from model_providers.glm5.dsa.indexer import index_logits, select_topk
-from model_providers.glm5.dsa.kl import dense_kl, sparse_kl
-from model_providers.glm5.dsa.sparse_attention import sparse_latent_attention
+from model_providers.glm5.model.dsa.indexer import index_logits, select_topk
+from model_providers.glm5.model.dsa.kl import dense_kl, sparse_kl
+from model_providers.glm5.model.dsa.sparse_attention import sparse_latent_attention
 
 
 def _naive_kl(target_rows, logit_rows):
@@ -74,7 +74,7 @@ def test_kl_is_zero_when_indexer_matches_target():
     """Sanity of the direction: KL(target || q) = 0 when softmax(I) equals the target over the
     visible keys (logits shifted by 5: softmax does not see it; the hidden key's logit is
     finite and must not count), and > 0 otherwise; d logits = softmax - target."""
-    from model_providers.glm5.dsa.kl import _kl_and_grads
+    from model_providers.glm5.model.dsa.kl import _kl_and_grads
 
     target = torch.tensor([[0.2, 0.3, 0.5, 0.0]])
     hidden = torch.tensor([[False, False, False, True]])
@@ -107,7 +107,7 @@ def _grads(value, tensors):
 def test_dense_kl_gradients_equal_autograd_of_the_formula_with_documents():
     """The eagerly computed gradients (b = 2, packed documents with different boundaries, odd
     chunks, CP-style non-contiguous query positions) equal autograd of the formula."""
-    from model_providers.glm5.dsa.layout import TokenLayout
+    from model_providers.glm5.model.dsa.visibility import TokenLayout
 
     gen = torch.Generator().manual_seed(3)
     b, L, n, D, h, d = 2, 23, 3, 10, 2, 8

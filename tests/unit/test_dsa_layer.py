@@ -7,7 +7,7 @@ one micro-batch's each."""
 import pytest
 import torch
 
-from model_providers.glm5.config import DSAConfig
+from model_providers.glm5.model.config import DSAConfig
 from tests.unit.dsa_probe import TopkProbe
 
 
@@ -15,7 +15,7 @@ def _layer(mode, topk, **recompute):
     from megatron.core.transformer.spec_utils import build_module
     from megatron.core.transformer.transformer_config import MLATransformerConfig
 
-    from model_providers.glm5.specs import _local_layer_spec
+    from model_providers.glm5.model.specs import _local_layer_spec
 
     cfg = MLATransformerConfig(
         num_layers=1, hidden_size=64, num_attention_heads=4, q_lora_rank=32, kv_lora_rank=24,
@@ -139,7 +139,7 @@ def test_core_attention_recompute_uses_each_micro_batch_intermediates(one_rank, 
 def test_core_attention_takes_the_intermediates_once(one_rank):
     """The MLA layer's intermediates serve one core-attention forward; a core attention that runs
     without them (outside GLM5MLASelfAttention, or twice) names what is missing."""
-    from model_providers.glm5.dsa.attention import MLAIntermediates
+    from model_providers.glm5.model.dsa.attention import MLAIntermediates
 
     torch.manual_seed(3)
     layer = _layer("sparse", topk=10)

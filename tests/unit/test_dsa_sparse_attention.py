@@ -6,9 +6,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from model_providers.glm5.dsa.indexer import select_topk
-from model_providers.glm5.dsa.sparse_attention import sparse_latent_attention
-from model_providers.glm5.dsa.topk import topk_indices
+from model_providers.glm5.model.dsa.indexer import select_topk
+from model_providers.glm5.model.dsa.sparse_attention import sparse_latent_attention
+from model_providers.glm5.model.dsa.topk import topk_indices
 
 torch.set_default_dtype(torch.float32)
 

@@ -93,8 +93,8 @@ def _dense_causal(q, kv, scale, dv):
 
 
 def _attention_case(name: str) -> dict:
-    from model_providers.glm5.dsa.kernels.sparse_mla_triton import sparse_mla_backward, sparse_mla_forward
-    from model_providers.glm5.dsa.sparse_attention import sparse_latent_attention
+    from model_providers.glm5.model.dsa.kernels.sparse_mla_triton import sparse_mla_backward, sparse_mla_forward
+    from model_providers.glm5.model.dsa.sparse_attention import sparse_latent_attention
 
     b, L, n, dv, rope, k, dtype, kind, opts = ATTENTION_CASES[name]
     gen = torch.Generator().manual_seed(len(name) * 7 + L)
@@ -147,8 +147,8 @@ def _attention_case(name: str) -> dict:
 
 def _autograd_case() -> dict:
     """The autograd Function gives the same numbers as the direct calls with default options."""
-    from model_providers.glm5.dsa.kernels import sparse_mla_triton
-    from model_providers.glm5.dsa.kernels.sparse_mla_triton import sparse_mla_backward, sparse_mla_forward
+    from model_providers.glm5.model.dsa.kernels import sparse_mla_triton
+    from model_providers.glm5.model.dsa.kernels.sparse_mla_triton import sparse_mla_backward, sparse_mla_forward
 
     gen = torch.Generator().manual_seed(11)
     b, s, n, dv, D, k = 1, 30, 3, 32, 48, 9
@@ -172,9 +172,9 @@ INDEXER_RUNS = {  # name: runs of (first position, rows), key length
 
 
 def _indexer_case(name: str, dtype: str) -> dict:
-    from model_providers.glm5.dsa.fp8 import fp8_logits_reference, index_logits, quantize_fp8
-    from model_providers.glm5.dsa.kernels import index_logits_triton
-    from model_providers.glm5.dsa.topk import topk_indices
+    from model_providers.glm5.model.dsa.fp8 import fp8_logits_reference, index_logits, quantize_fp8
+    from model_providers.glm5.model.dsa.kernels import index_logits_triton
+    from model_providers.glm5.model.dsa.topk import topk_indices
 
     runs, L = INDEXER_RUNS[name]
     b, H, d, topk = 2, 3, (128 if dtype == "fp8" else 40), 12
@@ -222,8 +222,8 @@ def _collect() -> dict:
     """Every kernel case; run with TRITON_INTERPRET=1 set before the kernels are imported."""
     from triton.runtime.interpreter import InterpretedFunction
 
-    from model_providers.glm5.dsa.kernels.indexer_triton import _index_logits_kernel
-    from model_providers.glm5.dsa.kernels.sparse_mla_triton import _sparse_mla_fwd_kernel
+    from model_providers.glm5.model.dsa.kernels.indexer_triton import _index_logits_kernel
+    from model_providers.glm5.model.dsa.kernels.sparse_mla_triton import _sparse_mla_fwd_kernel
 
     torch.set_num_threads(1)
     bf16_as_on_gpu()
@@ -317,8 +317,8 @@ def test_indexer_cases_cover_short_rows_and_skipped_blocks(results):
 
 
 def test_kernels_refuse_cpu_tensors_without_interpreter():
-    from model_providers.glm5.dsa.kernels import index_logits_triton, sparse_mla_triton
-    from model_providers.glm5.dsa.kernels.sparse_mla_triton import _interpreted
+    from model_providers.glm5.model.dsa.kernels import index_logits_triton, sparse_mla_triton
+    from model_providers.glm5.model.dsa.kernels.sparse_mla_triton import _interpreted
 
     if _interpreted():
         pytest.skip("TRITON_INTERPRET=1 in this process: CPU tensors are allowed")

@@ -1,4 +1,4 @@
-"""pretrain.faults and checkpoint integrity, in one process: config checks, the preemption flag,
+"""pretrain.reliability.faults and checkpoint integrity, in one process: config checks, the preemption flag,
 the non-finite policy's counting, and which checkpoint ``latest_checkpoint`` trusts."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import signal
 
 import pytest
 
-from pretrain import checkpoint
-from pretrain.faults import FaultsConfig, NonFinitePolicy, PreemptionSignal, check
+from checkpointing import state as checkpoint
+from pretrain.reliability.faults import FaultsConfig, NonFinitePolicy, PreemptionSignal, check
 
 
 # --- config -----------------------------------------------------------------------------------
@@ -29,8 +29,8 @@ def test_config_problems_name_fields_and_values():
 def test_bad_faults_config_fails_before_compute():
     from hydra import compose, initialize_config_dir
 
-    from pretrain.config import register, to_run_config
-    from pretrain.validation import ConfigError, plan_run
+    from pretrain.config.schema import register, to_run_config
+    from pretrain.config.validation import ConfigError, plan_run
     from tests.launch import REPO
 
     register()
@@ -108,7 +108,7 @@ def test_damaged_latest_falls_back_to_previous_with_warning(tmp_path, caplog, da
     newer = _fake_checkpoint(tmp_path, 4)
     assert checkpoint.latest_checkpoint(str(tmp_path)) == str(newer)
     damage(newer)
-    with caplog.at_level(logging.WARNING, logger="pretrain.checkpoint_files"):
+    with caplog.at_level(logging.WARNING, logger="checkpointing.files"):
         assert checkpoint.latest_checkpoint(str(tmp_path)) == str(older)
     assert f"resuming from {older}, the newest complete checkpoint: iter_0000004: {why}" in caplog.text
 
@@ -117,13 +117,13 @@ def test_dangling_latest_and_uncommitted_folders(tmp_path, caplog):
     older = _fake_checkpoint(tmp_path, 2)
     (tmp_path / "latest").write_text("iter_0000009")  # its folder was deleted
     (tmp_path / "iter_0000011.tmp").mkdir()  # a save that never finished
-    with caplog.at_level(logging.WARNING, logger="pretrain.checkpoint_files"):
+    with caplog.at_level(logging.WARNING, logger="checkpointing.files"):
         assert checkpoint.latest_checkpoint(str(tmp_path)) == str(older)
     assert "latest names iter_0000009, which is missing" in caplog.text
     newer = _fake_checkpoint(tmp_path, 6)
     (tmp_path / "latest").write_text(older.name)  # crash after the rename, before `latest`:
     caplog.clear()  # the folder is complete (renamed only after its manifest), so it counts
-    with caplog.at_level(logging.WARNING, logger="pretrain.checkpoint_files"):
+    with caplog.at_level(logging.WARNING, logger="checkpointing.files"):
         assert checkpoint.latest_checkpoint(str(tmp_path)) == str(newer)
     assert f"resuming from {newer}, the newest complete checkpoint: latest names iter_0000002" in caplog.text
 

@@ -10,9 +10,9 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from model_providers.glm5.config import GLM5Config, YarnConfig
-from model_providers.glm5.hf_config import HFConfigError, glm5_from_hf, hf_from_glm5
-from model_providers.glm5.hf_mapping import HFReader, hf_names
+from model_providers.glm5.model.config import GLM5Config, YarnConfig
+from model_providers.glm5.hf.config import HFConfigError, glm5_from_hf, hf_from_glm5
+from model_providers.glm5.hf.mapping import HFReader, hf_names
 from tests.unit import hf_support as hs
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))

@@ -22,7 +22,7 @@ TOL = 1e-4  #: max |ours - HF| / max |HF| over all logits
 def one_rank():
     from megatron.core import parallel_state
 
-    from model_providers.glm5.hf_convert import ensure_one_rank
+    from model_providers.glm5.hf.convert import ensure_one_rank
 
     ensure_one_rank()
     yield
@@ -31,9 +31,9 @@ def one_rank():
 
 
 def _our_model(ckpt, mtp_num_steps=0, dsa_mode="sparse"):
-    from model_providers.glm5.dist_io import load_common
-    from model_providers.glm5.hf_convert import config_from_common
-    from model_providers.glm5.hf_eval import build_eval_model, load_weights
+    from checkpointing.dist_io import load_common
+    from model_providers.glm5.hf.convert import config_from_common
+    from model_providers.glm5.hf.evaluate import build_eval_model, load_weights
     from parallel.config import ParallelConfig
 
     cfg = config_from_common(load_common(ckpt))
@@ -50,7 +50,7 @@ def _rel_err(ours, ref) -> float:
 def released(one_rank, tmp_path_factory):
     """A released-style HF dir (several shards + the MTP module as layer 4), index_topk=16 < 48,
     imported with 3 MTP steps."""
-    from model_providers.glm5.hf_convert import import_hf
+    from model_providers.glm5.hf.convert import import_hf
 
     root = tmp_path_factory.mktemp("hf")
     model = hs.make_model(index_topk=16)
@@ -68,8 +68,8 @@ def released(one_rank, tmp_path_factory):
 def test_logits_match_transformers(released, index_topk, tmp_path):
     """index_topk 64 >= 48 tokens: every query sees all its keys; 16: DSA sparse attention for
     queries 16..47 (only their indexer top-16 keys)."""
-    from model_providers.glm5.hf_convert import import_hf
-    from model_providers.glm5.hf_eval import hf_logits, logits
+    from model_providers.glm5.hf.convert import import_hf
+    from model_providers.glm5.hf.evaluate import hf_logits, logits
 
     root, model, _, hf_dir, ckpt = released
     if index_topk != model.config.index_topk:
@@ -115,9 +115,9 @@ def test_yarn_logits_match_transformers(one_rank, case, tmp_path):
     other logits, so YaRN is really exercised; export writes the same config.json back."""
     from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import _yarn_get_mscale
 
-    from model_providers.glm5.dsa.attention import DSACoreAttention
-    from model_providers.glm5.hf_convert import export_hf, import_hf
-    from model_providers.glm5.hf_eval import hf_logits, logits
+    from model_providers.glm5.model.dsa.attention import DSACoreAttention
+    from model_providers.glm5.hf.convert import export_hf, import_hf
+    from model_providers.glm5.hf.evaluate import hf_logits, logits
 
     rope = YARN_CASES[case]
     shape = dict(max_position_embeddings=256, num_nextn_predict_layers=0)
@@ -174,8 +174,8 @@ def test_mtp_matches_transformers_modules(released):
 
 
 def test_import_export_round_trip_is_bit_identical(released, tmp_path):
-    from model_providers.glm5.hf_convert import export_hf
-    from model_providers.glm5.hf_eval import hf_logits, load_hf_model
+    from model_providers.glm5.hf.convert import export_hf
+    from model_providers.glm5.hf.evaluate import hf_logits, load_hf_model
 
     _, model, _, hf_dir, ckpt = released
     out = str(tmp_path / "export")
@@ -198,8 +198,8 @@ def test_import_export_round_trip_is_bit_identical(released, tmp_path):
 
 def test_missing_mtp_is_initialised_with_a_warning(one_rank, tmp_path):
     """transformers drops the MTP module on save; import then initialises it and says so."""
-    from model_providers.glm5.dist_io import stored_dtypes
-    from model_providers.glm5.hf_convert import import_hf
+    from checkpointing.dist_io import stored_dtypes
+    from model_providers.glm5.hf.convert import import_hf
 
     model = hs.make_model(index_topk=16)
     hf_dir = hs.save_hf(model, str(tmp_path / "hf"))
@@ -218,7 +218,7 @@ def test_missing_mtp_is_initialised_with_a_warning(one_rank, tmp_path):
 def test_partial_or_foreign_weights_are_rejected(one_rank, tmp_path):
     from safetensors.torch import load_file, save_file
 
-    from model_providers.glm5.hf_convert import MissingWeightsError, import_hf
+    from model_providers.glm5.hf.convert import MissingWeightsError, import_hf
 
     model = hs.make_model(index_topk=16)
     hf_dir = hs.save_hf(model, str(tmp_path / "hf"), shard_size="50MB")
@@ -238,8 +238,8 @@ def test_partial_or_foreign_weights_are_rejected(one_rank, tmp_path):
 def test_import_keeps_bf16_and_fp32_router_dtypes(one_rank, tmp_path):
     """Released checkpoints are bf16 with fp32 router weights / expert bias: both are stored as
     they are (a round trip must not round them)."""
-    from model_providers.glm5.dist_io import stored_dtypes
-    from model_providers.glm5.hf_convert import import_hf
+    from checkpointing.dist_io import stored_dtypes
+    from model_providers.glm5.hf.convert import import_hf
 
     from transformers.models.glm_moe_dsa.modeling_glm_moe_dsa import GlmMoeDsaTopkRouter
 

@@ -72,7 +72,7 @@ print(json.dumps({"model": sum(layers.values()), "max_layer": max(layers.values(
 IMPORT = r"""
 import json, sys, threading, time, warnings
 import psutil
-from model_providers.glm5.hf_convert import ensure_one_rank, import_hf
+from model_providers.glm5.hf.convert import ensure_one_rank, import_hf
 import transformers.models.glm_moe_dsa.modeling_glm_moe_dsa
 ensure_one_rank()
 

@@ -16,9 +16,12 @@ import numpy as np
 import pytest
 import torch
 
-from model_providers.glm5 import hf_convert, hf_mapping
-from model_providers.glm5.hf_convert import export_hf, import_hf
-from model_providers.glm5.hf_paths import MARKER, PARTIAL_SUFFIX, HFPathError
+from model_providers.glm5.hf import convert as hf_convert
+
+from model_providers.glm5.hf import mapping as hf_mapping
+from model_providers.glm5.hf.convert import export_hf, import_hf
+from checkpointing.dist_io import CheckpointFileError
+from model_providers.glm5.hf.paths import MARKER, PARTIAL_SUFFIX, HFPathError
 from tests.launch import REPO
 from tests.unit import hf_support as hs
 
@@ -61,9 +64,9 @@ def no_model_build(monkeypatch):
 
 
 def _imported_weights_equal_hf(ckpt, model) -> None:
-    from model_providers.glm5.dist_io import load_common
-    from model_providers.glm5.hf_convert import config_from_common
-    from model_providers.glm5.hf_eval import build_eval_model, load_weights
+    from checkpointing.dist_io import load_common
+    from model_providers.glm5.hf.convert import config_from_common
+    from model_providers.glm5.hf.evaluate import build_eval_model, load_weights
     from parallel.config import ParallelConfig
 
     chunks, _ = build_eval_model(config_from_common(load_common(ckpt)), ParallelConfig())
@@ -179,14 +182,14 @@ def test_truncated_checkpoint_file_is_named(tiny, tmp_path, no_model_build):
     src = tmp_path / "ckpt"
     shutil.copytree(ckpt, src)
     os.truncate(src / "__0_3.distcp", 1000)
-    with pytest.raises(HFPathError, match=rf"checkpoint file {src}/__0_3\.distcp is truncated: 1000 bytes, "
+    with pytest.raises(CheckpointFileError, match=rf"checkpoint file {src}/__0_3\.distcp is truncated: 1000 bytes, "
                                           r"\d+ expected \(decoder\.layers\.2\.\S+ is cut\)"):
         export_hf(str(src), str(tmp_path / "hf"))
     os.remove(src / "__0_5.distcp")
-    with pytest.raises(HFPathError, match=rf"{src}/__0_3\.distcp is truncated"):
+    with pytest.raises(CheckpointFileError, match=rf"{src}/__0_3\.distcp is truncated"):
         export_hf(str(src), str(tmp_path / "hf"))
     shutil.copy(os.path.join(ckpt, "__0_3.distcp"), src / "__0_3.distcp")
-    with pytest.raises(HFPathError, match=rf"checkpoint file {src}/__0_5\.distcp is missing "
+    with pytest.raises(CheckpointFileError, match=rf"checkpoint file {src}/__0_5\.distcp is missing "
                                           r"\(it holds decoder\.final_layernorm\.weight"):
         export_hf(str(src), str(tmp_path / "hf"))
     assert sorted(os.listdir(tmp_path)) == ["ckpt"]
@@ -238,8 +241,8 @@ def test_interrupted_writes_leave_nothing_at_out(tiny, tmp_path, monkeypatch):
 
 KILLED_IMPORT = r"""
 import os, signal, sys, warnings
-from model_providers.glm5 import hf_mapping
-from model_providers.glm5.hf_convert import import_hf
+from model_providers.glm5.hf import mapping as hf_mapping
+from model_providers.glm5.hf.convert import import_hf
 
 reads, real_get = [], hf_mapping.HFReader.get
 def get(self, name):
@@ -291,7 +294,7 @@ def test_cli_reports_user_errors_without_traceback(tiny, tmp_path):
     assert proc.stdout == ""
     assert _snapshot(hf_dir) == before
 
-    from model_providers.glm5.hf import main
+    from model_providers.glm5.hf.cli import main
 
     np.save(tmp_path / "ids.npy", hs.tokens().numpy())
     ids = str(tmp_path / "ids.npy")

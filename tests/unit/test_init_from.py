@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from pretrain import checkpoint
-from pretrain.config import compose, to_run_config
-from pretrain.validation import ConfigError, plan_run
+from checkpointing import state as checkpoint
+from pretrain.config.schema import compose, to_run_config
+from pretrain.config.validation import ConfigError, plan_run
 from tests.unit.test_faults import _fake_checkpoint
 
 

@@ -7,9 +7,7 @@ import json
 
 import pytest
 
-from pretrain import jsonl
-
-
+from pretrain.reporting import jsonl
 def _write(path, records, tail=b""):
     path.write_bytes(b"".join(json.dumps(r).encode() + b"\n" for r in records) + tail)
 

@@ -72,10 +72,10 @@ def _tiny_moe_model_after_one_step():
     backward; returns weak references to the model and the DDP wrapper."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
-    from model_providers.glm5.config import GLM5Config, to_transformer_config
-    from model_providers.glm5.provider import build_model_chunks
+    from model_providers.glm5.model.config import GLM5Config, to_transformer_config
+    from model_providers.glm5.model.provider import build_model_chunks
     from parallel.config import ParallelConfig
-    from model_providers.glm5.config import PrecisionConfig
+    from model_providers.glm5.model.config import PrecisionConfig
 
     cfg = GLM5Config()
     tcfg = to_transformer_config(cfg, ParallelConfig(), PrecisionConfig())
@@ -229,8 +229,8 @@ def _distributed_adam_after_one_step():
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-    from model_providers.glm5.config import GLM5Config, PrecisionConfig, to_transformer_config
-    from model_providers.glm5.provider import build_model_chunks
+    from model_providers.glm5.model.config import GLM5Config, PrecisionConfig, to_transformer_config
+    from model_providers.glm5.model.provider import build_model_chunks
     from parallel.config import ParallelConfig
 
     cfg = GLM5Config()

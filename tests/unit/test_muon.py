@@ -161,7 +161,7 @@ def test_dp_assembly_buffer_lives_on_the_parameters_device(monkeypatch):
 
 
 def _rc(*overrides):
-    from pretrain.config import register, to_run_config
+    from pretrain.config.schema import register, to_run_config
 
     register()
     with initialize_config_dir(config_dir=CONF, version_base=None):
@@ -188,7 +188,7 @@ def test_optimizer_presets_compose():
     ("optimizer.name=lion", "optimizer.name='lion' must be one of adam, muon"),
 ])
 def test_muon_misconfiguration_is_rejected_before_compute(override, message):
-    from pretrain.validation import ConfigError, plan_run
+    from pretrain.config.validation import ConfigError, plan_run
 
     with pytest.raises(ConfigError) as e:
         plan_run(_rc("curriculum=none", "optimizer=muon_split", override), 1)

@@ -16,8 +16,8 @@ def tiny_chunks():
     from megatron.core import parallel_state
     from omegaconf import OmegaConf
 
-    from model_providers.glm5.config import GLM5Config, PrecisionConfig, to_transformer_config
-    from model_providers.glm5.provider import build_model_chunks
+    from model_providers.glm5.model.config import GLM5Config, PrecisionConfig, to_transformer_config
+    from model_providers.glm5.model.provider import build_model_chunks
     from parallel.config import ParallelConfig
     from parallel.initialize import DistEnv, initialize
 
@@ -57,11 +57,11 @@ def test_tiny_model_muon_and_adam_parameters(tiny_chunks):
 def test_the_last_stage_mtp_embedding_copy_is_adam_like_the_first_stage_embedding():
     """With pipeline parallelism megatron keeps a copy of the word embedding on the last stage for
     MTP; its gradient is summed with the first stage's copy, so it must take the same optimizer."""
-    from pretrain.config import compose, to_run_config
+    from pretrain.config.schema import compose, to_run_config
     from pretrain.curriculum import plan
     from pretrain.optim.matrices import uses_adam
-    from pretrain.plan.meta_build import build_rank
-    from pretrain.validation import check_run
+    from planner.meta_build import build_rank
+    from pretrain.config.validation import check_run
 
     st = plan(to_run_config(compose(["parallel=tp2_pp2", "optimizer=muon_split"])))[0][0]
     layout, problems = check_run(st.rc, 4, check_paths=False)

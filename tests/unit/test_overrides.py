@@ -14,9 +14,9 @@ import sys
 import pytest
 from omegaconf import OmegaConf
 
-from pretrain.config import CONF_DIR, compose, to_run_config
-from pretrain.overrides import RUN_TO_STAGE, changed_fields, stage_field
-from pretrain.validation import ConfigError, override_notes, plan_run
+from pretrain.config.schema import CONF_DIR, compose, to_run_config
+from pretrain.config.overrides import RUN_TO_STAGE, changed_fields, stage_field
+from pretrain.config.validation import ConfigError, override_notes, plan_run
 
 REPO = os.path.dirname(CONF_DIR)
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from data_pipeline.packing import document_ids_from_lengths, position_ids
-from model_providers.glm5.config import DSAConfig, GLM5Config, PrecisionConfig
+from model_providers.glm5.model.config import DSAConfig, GLM5Config, PrecisionConfig
 from tests.unit.dsa_probe import TopkProbe
 
 LENGTHS = [23, 37, 12]  # the last document is shorter than top-k, the middle one much longer
@@ -19,8 +19,8 @@ LENGTHS = [23, 37, 12]  # the last document is shorter than top-k, the middle on
 def _model(mode: str):
     from megatron.core import tensor_parallel
 
-    from model_providers.glm5.config import to_transformer_config
-    from model_providers.glm5.provider import build_model_chunks
+    from model_providers.glm5.model.config import to_transformer_config
+    from model_providers.glm5.model.provider import build_model_chunks
     from parallel.config import ParallelConfig
 
     cfg = GLM5Config(dsa=DSAConfig(mode=mode, topk=8, query_chunk=7))
@@ -34,7 +34,7 @@ def _model(mode: str):
 def _kl_per_layer():
     from megatron.core.transformer.moe import moe_utils
 
-    from model_providers.glm5.dsa.attention import KL_TRACKER
+    from model_providers.glm5.model.dsa.attention import KL_TRACKER
 
     tracker = moe_utils.get_moe_layer_wise_logging_tracker()
     values = tracker[KL_TRACKER]["values"].clone() if KL_TRACKER in tracker else None

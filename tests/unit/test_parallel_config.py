@@ -434,8 +434,8 @@ def test_accepted_layouts_place_every_layer_exactly_once():
 def test_a_pipeline_rank_without_moe_layers_is_refused():
     """megatron's MoE loss all-reduce over the pipeline runs on ranks with MoE layers only: a rank
     holding only the first_k_dense layers would hang the step."""
-    from pretrain.config import compose, to_run_config
-    from pretrain.validation import check_run
+    from pretrain.config.schema import compose, to_run_config
+    from pretrain.config.validation import check_run
 
     base = ["curriculum=none", "parallel.pp=2", "trainer.global_batch_size=16"]
     assert check_run(to_run_config(compose(base)), 2, check_paths=False)[1] == []

@@ -7,9 +7,9 @@ from types import SimpleNamespace
 import pytest
 from megatron.core.pipeline_parallel.schedules import get_pp_rank_microbatches, get_schedule_table
 
-from pretrain.config import compose, to_run_config
-from pretrain.plan.activations import _held_at_peak, _interleaved_chunk_order, activation_bytes
-from pretrain.validation import check_run
+from pretrain.config.schema import compose, to_run_config
+from planner.activations import _held_at_peak, _interleaved_chunk_order, activation_bytes
+from pretrain.config.validation import check_run
 
 GIB = 2 ** 30
 

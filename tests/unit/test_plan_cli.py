@@ -1,4 +1,4 @@
-"""``python -m pretrain.plan``: the shipped GLM-5 recipe validates and fits on the two cluster
+"""``python -m planner``: the shipped GLM-5 recipe validates and fits on the two cluster
 presets; bad input is refused naming the stage and field; plan.json agrees with the table."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from pretrain.plan.__main__ import main
+from planner.__main__ import main
 
 GLM5 = ["model=glm5_744b", "curriculum=glm5", "data=glm5_corpus"]  # the curriculum trains bf16
 #: the presets the README ships for each cluster: (parallel preset, cluster, nodes)
@@ -85,7 +85,7 @@ def test_a_stage_that_fits_nowhere_is_named(capsys):
 
 
 def test_search_winner_overrides_validate_and_fit(capsys):
-    from pretrain.plan.__main__ import resolve_run
+    from planner.__main__ import resolve_run
 
     code, out, err = plan(capsys, *TINY, "cluster=h100_80gb", "cluster.nodes=2", "--search")
     # the given layout does not validate on 16 GPUs (batch 32 = 4 x dp 16 x ...); the search finds one

@@ -1,4 +1,4 @@
-"""FLOPs per token (model_providers/glm5/flops.py): the exact count equals what torch's
+"""FLOPs per token (model_providers/glm5/counting/flops.py): the exact count equals what torch's
 FlopCounterMode sees in a forward + backward of the real tiny model (dense, DSA sparse, DSA
 warm-up; with recomputation), and Megatron's accounting of DeepSeek-V3 is its published number.
 
@@ -16,8 +16,8 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode, bmm_flop, sdpa_backward_flop_count, sdpa_flop_count
 
-from model_providers.glm5.config import DSAConfig, GLM5Config, PrecisionConfig, to_transformer_config
-from model_providers.glm5.flops import (
+from model_providers.glm5.model.config import DSAConfig, GLM5Config, PrecisionConfig, to_transformer_config
+from model_providers.glm5.counting.flops import (
     flops_per_token,
     layer_work,
     megatron_flops_per_token,
@@ -72,7 +72,7 @@ def _measured_per_token(cfg: GLM5Config) -> float:
     the provider, per token."""
     from megatron.core import tensor_parallel
 
-    from model_providers.glm5.provider import build_model_chunks
+    from model_providers.glm5.model.provider import build_model_chunks
 
     torch.manual_seed(0)
     tensor_parallel.model_parallel_cuda_manual_seed(0)
@@ -124,9 +124,9 @@ def test_context_parallel_attention_pairs_are_the_block_plans(seq, cp, limit):
     formula counts are those of every rank's real block plan (causal square or full masked
     rectangle), for all queries and for the sparse mode's dense prefix (positions < topk). A
     2-rank gloo run of the tiny model under FlopCounterMode matched the cp=2 totals exactly."""
-    from model_providers.glm5.dsa.dense_attention import block_plan
-    from model_providers.glm5.dsa.layout import TokenLayout
-    from model_providers.glm5.flops import _blocked_pairs
+    from model_providers.glm5.model.dsa.dense_attention import block_plan
+    from model_providers.glm5.model.dsa.visibility import TokenLayout
+    from model_providers.glm5.counting.flops import _blocked_pairs
     from parallel.context_parallel import zigzag_positions
 
     pairs = 0

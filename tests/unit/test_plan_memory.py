@@ -4,7 +4,7 @@ model's parameters, and ``state_bytes`` equals what a real rank holds.
 Multi-rank equality (TP, SP, EP, PP x VPP, DP with the distributed optimizer, Adam and Muon) is
 asserted on the runs of tests/distributed/test_layout_parity.py and test_muon_parity.py; here a
 real one-rank bf16 model takes one optimizer step in this process (main params only exist in
-bf16) and the 744B sizes are checked against ``pretrain.model_size``.
+bf16) and the 744B sizes are checked against ``model_providers.glm5.counting.size``.
 """
 
 from __future__ import annotations
@@ -14,12 +14,12 @@ import time
 import pytest
 import torch
 
-from pretrain.plan.memory import state_bytes
-from pretrain.plan.meta_build import build_rank
+from planner.memory import state_bytes
+from planner.meta_build import build_rank
 
 
 def _rc(*overrides: str):
-    from pretrain.config import compose, to_run_config
+    from pretrain.config.schema import compose, to_run_config
 
     return to_run_config(compose(["curriculum=none", *overrides]))
 
@@ -54,7 +54,7 @@ def _whole_model_count(rank, par) -> int:
 def test_meta_build_has_the_models_parameters(model, tp, ep, vocab):
     """Every parameter megatron builds, from one rank at TP x EP, the vocabulary padded to a
     multiple of 128 x TP (tiny: 500 -> 512 at TP1, 300 -> 512 at TP2; GLM-5's 154880 needs none)."""
-    from pretrain.model_size import model_size
+    from model_providers.glm5.counting.size import model_size
 
     rc = _rc(f"model={model}", f"parallel.tp={tp}", f"parallel.sequence_parallel={tp > 1}",
              f"parallel.ep={ep}", *([f"model.vocab_size={vocab}"] if vocab else []))
@@ -73,7 +73,7 @@ def test_744b_pipeline_ranks_of_the_512gpu_layout():
     """A 512-GPU layout (TP2 SP, PP8 x VPP2 with 8 / 10 layer ends, EP32): the first rank embeds, the
     last holds the output layer, the MTP layer and the MTP's copy of the embedding; all eight
     together are the model plus that copy. Ranks 0 and 7 build within the budget."""
-    from pretrain.model_size import model_size
+    from model_providers.glm5.counting.size import model_size
 
     rc = _rc("model=glm5_744b", "precision=bf16", *LAYOUT_512)
     layout = _layout(rc, 512)
@@ -127,8 +127,8 @@ def test_frozen_parameters_hold_weights_only():
 def _real_rank(rc):
     """A real one-rank model of ``rc`` after one optimizer step (zero gradients: the state is
     created all the same)."""
-    from model_providers.glm5.config import to_transformer_config
-    from model_providers.glm5.provider import build_model_chunks
+    from model_providers.glm5.model.config import to_transformer_config
+    from model_providers.glm5.model.provider import build_model_chunks
     from pretrain.optim import build_optimizer
     from pretrain.stage import wrap_ddp
 
@@ -148,8 +148,7 @@ def _real_rank(rc):
 def test_state_bytes_equal_a_real_bf16_rank(one_rank, overrides):
     """bf16: fp32 main copies of every trainable parameter, weights in bf16 (the distributed
     optimizer's padded param buffer), fp32 grads; predicted before the real build, measured after."""
-    from pretrain import memory_report
-
+    from pretrain.reporting import memory_report
     rc = _rc(*overrides)
     predicted = state_bytes(rc, _layout(rc, 1), 0)
     ddp, optimizer = _real_rank(rc)

@@ -1,4 +1,4 @@
-"""Cluster presets (pretrain/plan/cluster.py) and the step-time model (pretrain/plan/step_time.py):
+"""Cluster presets (planner/cluster.py) and the step-time model (planner/step_time.py):
 strict presets with clear errors, and a time model whose parts move as their formulas say when
 one parallel size changes (GLM-5 744B and DeepSeek-V3 shapes; nothing is built)."""
 
@@ -10,13 +10,13 @@ import os
 import pytest
 from omegaconf import OmegaConf
 
-from model_providers.glm5.config import GLM5Config, PrecisionConfig
-from model_providers.glm5.flops import flops_per_token, megatron_flops_per_token
+from model_providers.glm5.model.config import GLM5Config, PrecisionConfig
+from model_providers.glm5.counting.flops import flops_per_token, megatron_flops_per_token
 from parallel.config import ParallelConfig, check_layout
-from pretrain.config import CONF_DIR, RunConfig
-from pretrain.errors import ConfigError
-from pretrain.plan.cluster import load_cluster, preset_names
-from pretrain.plan.step_time import step_time
+from pretrain.config.schema import CONF_DIR, RunConfig
+from pretrain.config.errors import ConfigError
+from planner.cluster import load_cluster, preset_names
+from planner.step_time import step_time
 
 GLM5 = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(GLM5Config),
                                            OmegaConf.load(os.path.join(CONF_DIR, "model", "glm5_744b.yaml"))))

@@ -14,8 +14,8 @@ import time
 
 import pytest
 
-from pretrain import run_lock
-from pretrain.run_lock import LOCK_NAME, RunDirLock, RunDirLocked
+from pretrain.reliability import run_lock
+from pretrain.reliability.run_lock import LOCK_NAME, RunDirLock, RunDirLocked
 
 
 def _write_holder(run_dir, host, pid, age_s=0.0, job="4242"):

@@ -1,5 +1,5 @@
 """TP attributes from each linear layer's layout, not from the backend's marks
-(``model_providers/glm5/tp_attributes.py``).
+(``model_providers/glm5/model/tp_attributes.py``).
 
 Transformer Engine is not installable here, so its marks are reproduced on the local tiny model:
 every linear weight ``tensor_model_parallel=True`` (the replicated MLA down-projections, TE's
@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from model_providers.glm5.tp_attributes import layout_of, normalize_tp_attributes
+from model_providers.glm5.model.tp_attributes import layout_of, normalize_tp_attributes
 from parallel.initialize import free_port
 
 TE = "megatron.core.extensions.transformer_engine"
@@ -53,8 +53,8 @@ def _te_marks(chunks, explicit_expert_comm: bool) -> None:
 
 def _unnormalised_local_chunks(par):
     """The tiny model as the local spec builds it, with the normaliser switched off."""
-    import model_providers.glm5.provider as provider
-    from model_providers.glm5.config import GLM5Config, PrecisionConfig, to_transformer_config
+    import model_providers.glm5.model.provider as provider
+    from model_providers.glm5.model.config import GLM5Config, PrecisionConfig, to_transformer_config
 
     cfg = GLM5Config()
     normalize, provider.normalize_tp_attributes = provider.normalize_tp_attributes, lambda chunks: None
@@ -102,8 +102,8 @@ def test_te_marks_are_replaced_by_the_layers_layout(local_chunks):
 
 
 def test_build_model_chunks_normalises_every_backend(one_rank, monkeypatch):
-    import model_providers.glm5.provider as provider
-    from model_providers.glm5.config import GLM5Config, PrecisionConfig, to_transformer_config
+    import model_providers.glm5.model.provider as provider
+    from model_providers.glm5.model.config import GLM5Config, PrecisionConfig, to_transformer_config
     from parallel.config import ParallelConfig
 
     seen = []

@@ -1,0 +1,408 @@
+"""Triton sparse MLA in its absorbed (MQA) form: forward, backward and the autograd Function.
+
+Same semantics as the torch reference
+(:func:`model_providers.glm5.model.dsa.sparse_attention.sparse_latent_attention`): q [b, s, n, D]
+absorbed queries (D = latent + rope, 576 for GLM-5), kv [b, L, D] latent rows whose first ``dv``
+dims are also the values, idx [b, s, k] distinct key positions per query, valid [b, s, k] bool.
+o [b, s, n, dv] in q's dtype; head_probs [b, s, k] fp32, the attention probabilities summed over
+heads (the KL target). Rows with no valid key give o = 0, head_probs = 0 and lse = -inf.
+
+Forward (one launch): one program per (query, head group, batch). The heads are the scores
+GEMM's M dim (padded to a power of two >= 16); the query's selected latent rows are gathered
+BLOCK_N at a time and split into a value part (the first dv dims) and the rest (rope), each
+padded to a power of two, so GLM-5's 512 + 64 needs no padding. Online softmax in fp32 gives o
+and the log-sum-exp; a second sweep over the same rows (QK^T only) writes head_probs with the
+final LSE. The output is accumulated transposed (o^T = V^T P^T, M = dv).
+
+Backward from the saved LSE: the same programs recompute P, dP = dO V^T, dS = P (dP - delta)
+and write dq directly. The heads' q and dO rows are stacked, X = [q; dO], so one GEMM gives
+[S; dP] = X kv^T and one gives the kv gradient's two terms, dkv^T = X^T [dS; P]; dq is
+accumulated transposed (dq^T = kv^T dS^T). Every large GEMM thus has M >= 128, which keeps
+Triton's Hopper layouts consistent along each accumulation chain (compiled for sm_90a without
+a GPU: see FWD_CONFIG). dkv is accumulated deterministically: each program writes its per-(query, key) contributions [D] fp32 to a
+partial buffer, at rows placed by a stable sort of the (key, query) pairs; a second kernel walks
+each key's run of rows in that fixed (query) order and adds it to an fp32 [b, L, D] accumulator
+(one program per key run: no atomics). Queries are processed in chunks whose partials fit
+``PARTIAL_BUDGET`` bytes; chunks run in order, so every key's sum is taken in query order.
+
+Precision: scores, softmax statistics, delta and every GEMM accumulate in fp32; fp32 inputs use
+IEEE fp32 dots (no TF32). With bf16/fp16 inputs the products q.k and dO.v are exact, but P and
+dS are fp32 and must enter tensor-core GEMMs in the input dtype, and delta = rowsum(dO * O)
+taken from the saved 16-bit O errs by O's rounding. By default (``precise``) P and dS are split
+into hi + lo parts in the input dtype (two GEMMs each: P.V forward; dS.K, dS^T.Q, P^T.dO
+backward; ~16 bits kept) and the backward first sweeps the keys once for delta = sum_j P_j dP_j,
+so o, dq and dkv are fp32 math rounded once (~1.7e-3 relative for bf16, as the torch
+reference). ``precise=False`` rounds P and dS once and takes delta from O, as flash attention
+does: half the backward GEMM work and 3/4 of the forward's, ~2.4e-3 relative for bf16.
+
+Runs on CUDA tensors, or on CPU tensors when TRITON_INTERPRET=1 was set before this module was
+first imported (the Triton interpreter). triton 3.9's interpreter gets bf16 wrong (``tl.dot``
+multiplies the raw bit patterns, fp32 -> bf16 casts truncate; triton-lang/triton#11584): bf16
+in the interpreter needs
+``tests/unit/test_dsa_triton_kernels._interpreter_bf16_as_on_gpu()`` first; fp32 needs nothing.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .indexer_fp8_triton import HAVE_TRITON
+
+if HAVE_TRITON:
+    import triton
+    import triton.language as tl
+
+PRECISE = True  #: 16-bit inputs: P and dS enter their GEMMs as hi + lo parts (fp32-like results)
+HEAD_GROUP = 64  #: heads per program at most (the GEMM M dim); more heads use several programs
+PARTIAL_BUDGET = 4 * 2**30  #: bytes of fp32 dkv partials per backward chunk (GLM-5: ~900 queries)
+# GLM-5 shapes (64 heads, 512 + 64) compiled for sm_90a: forward 108 KiB shared memory, backward
+# 170 KiB (196 KiB with block_n=32; 64 exceeds the 227 KiB an H100/H200 block may use)
+FWD_CONFIG = dict(block_n=32, num_warps=8, num_stages=2)
+BWD_CONFIG = dict(block_n=16, num_warps=8, num_stages=1)
+REDUCE_BLOCK_P = 16  #: sorted pair rows per reduction program (runs starting there are its own)
+REDUCE_BLOCK_D = 128
+
+
+if HAVE_TRITON:
+
+    @triton.jit
+    def _dot_fp32_right(a, b, acc, PREC: tl.constexpr, SPLIT: tl.constexpr):
+        """acc + a @ b for a in the input dtype and an fp32 b (P or dS, transposed): b rounded
+        to a's dtype, or with SPLIT taken as hi + lo parts in a's dtype (two GEMMs; bf16 keeps
+        ~16 bits of b instead of 8, so the product is fp32 math to ~2^-16)."""
+        hi = b.to(a.dtype)
+        acc = tl.dot(a, hi, acc, input_precision=PREC)
+        if SPLIT:
+            acc = tl.dot(a, (b - hi.to(tl.float32)).to(a.dtype), acc, input_precision=PREC)
+        return acc
+
+    @triton.jit
+    def _gather_rows(kv_ptr, idx_ptr, valid_ptr, n0, K, offs_dv, offs_dr,
+                     DV: tl.constexpr, DR: tl.constexpr, BLOCK_N: tl.constexpr):
+        """The BLOCK_N selected rows from n0: value part [BN, BDV], rest [BN, BDR], and `ok`
+        (in range and valid). Invalid rows load as zeros (their positions are not read)."""
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < K
+        ok = n_ok & (tl.load(valid_ptr + offs_n, mask=n_ok, other=0) != 0)
+        key = tl.load(idx_ptr + offs_n, mask=ok, other=0).to(tl.int64)
+        row = kv_ptr + key[:, None] * (DV + DR)
+        kv_v = tl.load(row + offs_dv[None, :], mask=ok[:, None] & (offs_dv < DV)[None, :], other=0.0)
+        kv_r = tl.load(row + DV + offs_dr[None, :], mask=ok[:, None] & (offs_dr < DR)[None, :],
+                       other=0.0)
+        return offs_n, n_ok, ok, kv_v, kv_r
+
+    @triton.jit
+    def _sparse_mla_fwd_kernel(
+        q_ptr, kv_ptr, idx_ptr, valid_ptr, o_ptr, lse_ptr, hp_ptr,
+        S, NH, K, L, scale,
+        DV: tl.constexpr, DR: tl.constexpr, HEADS: tl.constexpr,
+        BLOCK_H: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_DR: tl.constexpr,
+        BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr, SPLIT: tl.constexpr,
+    ):
+        # q [B, S, NH, D], kv [B, L, D], idx/valid [B, S, K], o [B, S, NH, DV], lse [B, S, NH],
+        # hp [G, B, S, K]: all contiguous. The output is accumulated transposed, o^T = V^T P^T:
+        # its GEMM has M = DV (not the heads), so hi and lo parts chain in one layout.
+        t = tl.program_id(0).to(tl.int64)
+        g = tl.program_id(1)
+        b = tl.program_id(2).to(tl.int64)
+        B = tl.num_programs(2)
+        D: tl.constexpr = DV + DR
+        offs_h = g * HEADS + tl.arange(0, BLOCK_H)
+        h_ok = (tl.arange(0, BLOCK_H) < HEADS) & (offs_h < NH)
+        offs_dv = tl.arange(0, BLOCK_DV)
+        offs_dr = tl.arange(0, BLOCK_DR)
+        row = b * S + t
+        q_rows = q_ptr + (row * NH + offs_h)[:, None] * D
+        q_v = tl.load(q_rows + offs_dv[None, :], mask=h_ok[:, None] & (offs_dv < DV)[None, :], other=0.0)
+        q_r = tl.load(q_rows + DV + offs_dr[None, :], mask=h_ok[:, None] & (offs_dr < DR)[None, :],
+                      other=0.0)
+        kv_b = kv_ptr + b * L * D
+        idx_r = idx_ptr + row * K
+        valid_r = valid_ptr + row * K
+
+        m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+        l = tl.zeros([BLOCK_H], tl.float32)
+        acc_t = tl.zeros([BLOCK_DV, BLOCK_H], tl.float32)
+        for n0 in range(0, K, BLOCK_N):
+            offs_n, n_ok, ok, kv_v, kv_r = _gather_rows(kv_b, idx_r, valid_r, n0, K, offs_dv, offs_dr,
+                                                        DV, DR, BLOCK_N)
+            s = tl.dot(q_v, tl.trans(kv_v), input_precision=DOT_PREC)
+            s = tl.dot(q_r, tl.trans(kv_r), s, input_precision=DOT_PREC)
+            s = tl.where(ok[None, :], s * scale, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, 1))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp(m - m_use)
+            p = tl.exp(s - m_use[:, None])
+            l = l * alpha + tl.sum(p, 1)
+            acc_t = _dot_fp32_right(tl.trans(kv_v), tl.trans(p), acc_t * alpha[None, :], DOT_PREC, SPLIT)
+            m = m_new
+        has = l > 0.0
+        l_safe = tl.where(has, l, 1.0)
+        o_t = tl.where(has[None, :], acc_t / l_safe[None, :], 0.0)
+        lse = tl.where(has, m + tl.log(l_safe), float("-inf"))
+        tl.store(o_ptr + (row * NH + offs_h)[None, :] * DV + offs_dv[:, None], o_t.to(o_ptr.dtype.element_ty),
+                 mask=h_ok[None, :] & (offs_dv < DV)[:, None])
+        tl.store(lse_ptr + row * NH + offs_h, lse, mask=h_ok)
+
+        # head_probs: the probabilities with the final LSE, summed over this group's heads
+        lse_use = tl.where(has, lse, 0.0)
+        hp_r = hp_ptr + (g * B * S + row) * K
+        for n0 in range(0, K, BLOCK_N):
+            offs_n, n_ok, ok, kv_v, kv_r = _gather_rows(kv_b, idx_r, valid_r, n0, K, offs_dv, offs_dr,
+                                                        DV, DR, BLOCK_N)
+            s = tl.dot(q_v, tl.trans(kv_v), input_precision=DOT_PREC)
+            s = tl.dot(q_r, tl.trans(kv_r), s, input_precision=DOT_PREC)
+            p = tl.where(ok[None, :] & h_ok[:, None], tl.exp(s * scale - lse_use[:, None]), 0.0)
+            tl.store(hp_r + offs_n, tl.sum(p, 0), mask=n_ok)
+
+    @triton.jit
+    def _sparse_mla_bwd_kernel(
+        q_ptr, kv_ptr, idx_ptr, valid_ptr, o_ptr, do_ptr, lse_ptr, dq_ptr, part_ptr, dest_ptr,
+        T0, C, S, NH, K, L, scale,
+        DV: tl.constexpr, DR: tl.constexpr, HEADS: tl.constexpr,
+        BLOCK_H: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_DR: tl.constexpr,
+        BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr, SPLIT: tl.constexpr,
+    ):
+        # Query t = T0 + program_id(0) of the chunk [T0, T0 + C). Its partial rows are numbered
+        # ((g * B + b) * C + t - T0) * K + slot and stored at part[dest[that]].
+        # The heads' q and dO rows are stacked, X = [q; dO] [2 BLOCK_H, DV] (and [q_rope; 0]), so
+        # that one GEMM gives [S; dP] = X kv^T and one gives dkv^T = X^T [dS; P]; dq is
+        # accumulated transposed, dq^T = kv^T dS^T: every GEMM has M >= 128.
+        tc = tl.program_id(0).to(tl.int64)
+        g = tl.program_id(1)
+        b = tl.program_id(2).to(tl.int64)
+        B = tl.num_programs(2)
+        D: tl.constexpr = DV + DR
+        offs_h = g * HEADS + tl.arange(0, BLOCK_H)
+        h_ok = (tl.arange(0, BLOCK_H) < HEADS) & (offs_h < NH)
+        offs_dv = tl.arange(0, BLOCK_DV)
+        offs_dr = tl.arange(0, BLOCK_DR)
+        dv_ok = offs_dv < DV
+        dr_ok = offs_dr < DR
+        row = b * S + T0 + tc
+        # stacked rows: x < BLOCK_H are q of head x, the others dO of head x - BLOCK_H
+        offs_x = tl.arange(0, 2 * BLOCK_H)
+        is_q = offs_x < BLOCK_H
+        x_head = g * HEADS + tl.where(is_q, offs_x, offs_x - BLOCK_H)
+        x_ok = (tl.where(is_q, offs_x, offs_x - BLOCK_H) < HEADS) & (x_head < NH)
+        x_row = row * NH + x_head
+        # one plain load (pointers chosen per row), so the GEMMs read it from shared memory
+        qd_ptrs = tl.where(is_q[:, None], q_ptr + x_row[:, None] * D + offs_dv[None, :],
+                           do_ptr + x_row[:, None] * DV + offs_dv[None, :])
+        qd = tl.load(qd_ptrs, mask=x_ok[:, None] & dv_ok[None, :], other=0.0)
+        qr = tl.load(q_ptr + x_row[:, None] * D + DV + offs_dr[None, :],
+                     mask=(x_ok & is_q)[:, None] & dr_ok[None, :], other=0.0)
+        lse = tl.load(lse_ptr + row * NH + offs_h, mask=h_ok, other=0.0)
+        lse = tl.where(lse == float("-inf"), 0.0, lse)  # rows without keys: every p is masked
+        kv_b = kv_ptr + b * L * D
+        idx_r = idx_ptr + row * K
+        valid_r = valid_ptr + row * K
+        if SPLIT:
+            # delta = rowsum(dO * O) of the unrounded O, i.e. sum_j P_j dP_j: one more sweep
+            # (a 16-bit O's rounding would cost dq about as much as rounding dq itself)
+            delta = tl.zeros([BLOCK_H], tl.float32)
+            for n0 in range(0, K, BLOCK_N):
+                offs_n, n_ok, ok, kv_v, kv_r = _gather_rows(kv_b, idx_r, valid_r, n0, K, offs_dv,
+                                                            offs_dr, DV, DR, BLOCK_N)
+                sdp = tl.dot(qd, tl.trans(kv_v), input_precision=DOT_PREC)
+                sdp = tl.dot(qr, tl.trans(kv_r), sdp, input_precision=DOT_PREC)
+                s, dp = tl.split(tl.permute(tl.reshape(sdp, [2, BLOCK_H, BLOCK_N]), (1, 2, 0)))
+                p = tl.where(ok[None, :] & h_ok[:, None], tl.exp(s * scale - lse[:, None]), 0.0)
+                delta += tl.sum(p * dp, 1)
+        else:
+            o_rows = (row * NH + offs_h)[:, None] * DV + offs_dv[None, :]
+            hv_mask = h_ok[:, None] & dv_ok[None, :]
+            o = tl.load(o_ptr + o_rows, mask=hv_mask, other=0.0).to(tl.float32)
+            delta = tl.sum(tl.load(do_ptr + o_rows, mask=hv_mask, other=0.0).to(tl.float32) * o, 1)
+        dest_r = dest_ptr + ((g * B + b) * C + tc) * K
+
+        dq_t = tl.zeros([BLOCK_DV, BLOCK_H], tl.float32)
+        dqr_t = tl.zeros([BLOCK_DR, BLOCK_H], tl.float32)
+        for n0 in range(0, K, BLOCK_N):
+            offs_n, n_ok, ok, kv_v, kv_r = _gather_rows(kv_b, idx_r, valid_r, n0, K, offs_dv, offs_dr,
+                                                        DV, DR, BLOCK_N)
+            sdp = tl.dot(qd, tl.trans(kv_v), input_precision=DOT_PREC)
+            sdp = tl.dot(qr, tl.trans(kv_r), sdp, input_precision=DOT_PREC)
+            s, dp = tl.split(tl.permute(tl.reshape(sdp, [2, BLOCK_H, BLOCK_N]), (1, 2, 0)))
+            p = tl.where(ok[None, :] & h_ok[:, None], tl.exp(s * scale - lse[:, None]), 0.0)
+            ds = p * (dp - delta[:, None]) * scale
+            dq_t = _dot_fp32_right(tl.trans(kv_v), tl.trans(ds), dq_t, DOT_PREC, SPLIT)
+            dqr_t = _dot_fp32_right(tl.trans(kv_r), tl.trans(ds), dqr_t, DOT_PREC, SPLIT)
+            dsp = tl.reshape(tl.permute(tl.join(ds, p), (2, 0, 1)), [2 * BLOCK_H, BLOCK_N])  # [dS; P]
+            dkv_t = _dot_fp32_right(tl.trans(qd), dsp, tl.zeros([BLOCK_DV, BLOCK_N], tl.float32),
+                                    DOT_PREC, SPLIT)
+            dkvr_t = _dot_fp32_right(tl.trans(qr), dsp, tl.zeros([BLOCK_DR, BLOCK_N], tl.float32),
+                                     DOT_PREC, SPLIT)
+            part = part_ptr + tl.load(dest_r + offs_n, mask=n_ok, other=0)[None, :] * D
+            tl.store(part + offs_dv[:, None], dkv_t, mask=n_ok[None, :] & dv_ok[:, None])
+            tl.store(part + DV + offs_dr[:, None], dkvr_t, mask=n_ok[None, :] & dr_ok[:, None])
+        dq_rows = dq_ptr + (row * NH + offs_h)[None, :] * D
+        tl.store(dq_rows + offs_dv[:, None], dq_t.to(dq_ptr.dtype.element_ty),
+                 mask=h_ok[None, :] & dv_ok[:, None])
+        tl.store(dq_rows + DV + offs_dr[:, None], dqr_t.to(dq_ptr.dtype.element_ty),
+                 mask=h_ok[None, :] & dr_ok[:, None])
+
+    @triton.jit
+    def _dkv_reduce_kernel(keys_ptr, part_ptr, acc_ptr, N, NKEYS, D,
+                           BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr):
+        """keys [N] sorted (sentinel NKEYS for invalid pairs), part [N, D] in the same order:
+        acc[key] += its run of rows, in order. A run belongs to the program holding its first
+        row, which walks it to the end (past its own block if need be)."""
+        p0 = tl.program_id(0) * BLOCK_P
+        offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+        d_ok = offs_d < D
+        for p in range(p0, tl.minimum(p0 + BLOCK_P, N)):
+            key = tl.load(keys_ptr + p)
+            prev = tl.load(keys_ptr + p - 1, mask=p > 0, other=-1)
+            if (key != prev) & (key < NKEYS):
+                acc_row = acc_ptr + key * D + offs_d
+                a = tl.load(acc_row, mask=d_ok, other=0.0)
+                r = p
+                cur = key
+                while cur == key:
+                    a += tl.load(part_ptr + r.to(tl.int64) * D + offs_d, mask=d_ok, other=0.0)
+                    r += 1
+                    cur = tl.load(keys_ptr + r, mask=r < N, other=-1)
+                tl.store(acc_row, a, mask=d_ok)
+
+
+def _interpreted() -> bool:
+    """True when @triton.jit built the kernels for the CPU interpreter (TRITON_INTERPRET=1)."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(_sparse_mla_fwd_kernel, InterpretedFunction)
+
+
+def _pow2(x: int) -> int:
+    return max(16, triton.next_power_of_2(max(1, x)))
+
+
+def _check(q, kv, idx, valid, dv: int):
+    if not HAVE_TRITON:
+        raise RuntimeError("triton is not installed: the sparse MLA kernels need CUDA and triton")
+    if q.dim() != 4 or kv.dim() != 3 or idx.dim() != 3 or valid.shape != idx.shape:
+        raise ValueError(f"expected q [b,s,n,D], kv [b,L,D], idx and valid [b,s,k]; got {tuple(q.shape)}, "
+                         f"{tuple(kv.shape)}, {tuple(idx.shape)}, {tuple(valid.shape)}")
+    b, s, _, dim = q.shape
+    if kv.shape[0] != b or kv.shape[2] != dim or idx.shape[:2] != (b, s) or not 0 < dv <= dim:
+        raise ValueError(f"shape mismatch: q {tuple(q.shape)}, kv {tuple(kv.shape)}, idx {tuple(idx.shape)}, "
+                         f"dv {dv}")
+    if q.dtype != kv.dtype or q.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise TypeError(f"q and kv must share one of fp32/bf16/fp16, got {q.dtype} and {kv.dtype}")
+    if not q.is_cuda and not _interpreted():
+        raise RuntimeError("the sparse MLA Triton kernels need CUDA tensors, or TRITON_INTERPRET=1 set "
+                           "before model_providers.glm5.model.dsa.kernels is first imported (CPU interpreter)")
+
+
+def _meta(q, dv: int, heads_per_program: int, precise: bool):
+    n, dim = q.shape[2], q.shape[3]
+    heads = min(n, heads_per_program)
+    fp32 = q.dtype == torch.float32
+    return dict(DV=dv, DR=dim - dv, HEADS=heads, BLOCK_H=_pow2(heads), BLOCK_DV=_pow2(dv),
+                BLOCK_DR=_pow2(dim - dv), DOT_PREC="ieee" if fp32 else "tf32",
+                SPLIT=bool(precise) and not fp32)
+
+
+def _flat(idx, valid):
+    return idx.contiguous(), valid.contiguous().view(torch.uint8)
+
+
+def sparse_mla_forward(q, kv, idx, valid, scale: float, dv: int, *, precise: bool = PRECISE,
+                       heads_per_program: int = HEAD_GROUP, block_n: int | None = None,
+                       num_warps: int | None = None, num_stages: int | None = None):
+    """(o [b, s, n, dv] q's dtype, lse [b, s, n] fp32, head_probs [b, s, k] fp32); no autograd.
+    Valid entries of idx must lie in [0, L) (not checked: that would sync with the device);
+    invalid entries are never read. block_n / num_warps / num_stages override FWD_CONFIG."""
+    _check(q, kv, idx, valid, dv)
+    q, kv = q.contiguous(), kv.contiguous()
+    idx, valid8 = _flat(idx, valid)
+    b, s, n, _ = q.shape
+    L, k = kv.shape[1], idx.shape[2]
+    meta = _meta(q, dv, heads_per_program, precise)
+    groups = triton.cdiv(n, meta["HEADS"])
+    o = q.new_empty(b, s, n, dv)
+    lse = q.new_empty(b, s, n, dtype=torch.float32)
+    hp = q.new_empty(groups, b, s, k, dtype=torch.float32)
+    if b and s and n:
+        cfg = FWD_CONFIG
+        _sparse_mla_fwd_kernel[(s, groups, b)](
+            q, kv, idx, valid8, o, lse, hp, s, n, k, L, float(scale), **meta,
+            BLOCK_N=block_n or cfg["block_n"], num_warps=num_warps or cfg["num_warps"],
+            num_stages=num_stages or cfg["num_stages"])
+    return o, lse, hp[0] if groups == 1 else hp.sum(0)
+
+
+def _chunk_queries(s: int, rows_per_query: int, dim: int, budget: int) -> int:
+    return max(1, min(s, budget // max(1, rows_per_query * dim * 4)))
+
+
+def sparse_mla_backward(q, kv, idx, valid, o, lse, grad_o, scale: float, dv: int, *,
+                        precise: bool = PRECISE, heads_per_program: int = HEAD_GROUP,
+                        chunk: int | None = None, partial_budget: int = PARTIAL_BUDGET,
+                        block_n: int | None = None, num_warps: int | None = None,
+                        num_stages: int | None = None):
+    """(dq in q's dtype, dkv in kv's dtype), bitwise reproducible. ``chunk``: queries per
+    partial-buffer pass (default: as many as ``partial_budget`` bytes of fp32 partials allow);
+    block_n / num_warps / num_stages override BWD_CONFIG."""
+    _check(q, kv, idx, valid, dv)
+    q, kv, o, lse = q.contiguous(), kv.contiguous(), o.contiguous(), lse.contiguous()
+    grad_o = grad_o.to(q.dtype).contiguous()
+    idx, valid8 = _flat(idx, valid)
+    b, s, n, dim = q.shape
+    L, k = kv.shape[1], idx.shape[2]
+    meta = _meta(q, dv, heads_per_program, precise)
+    groups = triton.cdiv(n, meta["HEADS"])
+    dq = torch.empty_like(q)
+    dkv = torch.zeros(b, L, dim, dtype=torch.float32, device=q.device)
+    if not (b and s and n and k):
+        return dq.zero_(), dkv.to(kv.dtype)
+    c = chunk or _chunk_queries(s, groups * b * k, dim, partial_budget)
+    c = min(c, s)
+    part = q.new_empty(groups * b * c * k, dim, dtype=torch.float32)
+    sentinel = b * L
+    base = (torch.arange(b, device=q.device) * L)[:, None, None]
+    cfg = BWD_CONFIG
+    for t0 in range(0, s, c):
+        cc = min(c, s - t0)
+        rows = groups * b * cc * k
+        keys = torch.where(valid[:, t0:t0 + cc], idx[:, t0:t0 + cc] + base, sentinel)
+        keys = keys.reshape(1, -1).expand(groups, -1).reshape(-1)  # pair rows (g, b, t, slot)
+        keys_sorted, order = torch.sort(keys, stable=True)
+        dest = torch.empty_like(order).scatter_(0, order, torch.arange(rows, device=q.device))
+        _sparse_mla_bwd_kernel[(cc, groups, b)](
+            q, kv, idx, valid8, o, grad_o, lse, dq, part, dest,
+            t0, cc, s, n, k, L, float(scale), **meta,
+            BLOCK_N=block_n or cfg["block_n"], num_warps=num_warps or cfg["num_warps"],
+            num_stages=num_stages or cfg["num_stages"])
+        grid = (triton.cdiv(rows, REDUCE_BLOCK_P), triton.cdiv(dim, REDUCE_BLOCK_D))
+        _dkv_reduce_kernel[grid](keys_sorted, part, dkv, rows, sentinel, dim,
+                                 BLOCK_P=REDUCE_BLOCK_P, BLOCK_D=REDUCE_BLOCK_D)
+    return dq, dkv.to(kv.dtype)
+
+
+class SparseMLATriton(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, kv, idx, valid, scale: float, dv: int, precise: bool):
+        o, lse, head_probs = sparse_mla_forward(q, kv, idx, valid, scale, dv, precise=precise)
+        ctx.save_for_backward(q, kv, idx, valid, o, lse)
+        ctx.scale, ctx.dv, ctx.precise = scale, dv, precise
+        ctx.mark_non_differentiable(head_probs)
+        ctx.set_materialize_grads(False)  # no zero-filled [b, s, k] gradient for head_probs
+        return o, head_probs
+
+    @staticmethod
+    def backward(ctx, grad_o, _grad_head_probs):
+        if grad_o is None:
+            return (None,) * 7
+        q, kv, idx, valid, o, lse = ctx.saved_tensors
+        dq, dkv = sparse_mla_backward(q, kv, idx, valid, o, lse, grad_o, ctx.scale, ctx.dv,
+                                      precise=ctx.precise)
+        return dq, dkv, None, None, None, None, None
+
+
+def sparse_mla_triton(q, kv, idx, valid, scale: float, dv: int, *, precise: bool = PRECISE):
+    """(o [b, s, n, dv] in q's dtype, head_probs [b, s, k] fp32), differentiable in q and kv;
+    the Triton counterpart of ``sparse_latent_attention`` (see the module docstring).
+    ``precise=False`` rounds P and dS to the input dtype for their GEMMs (flash attention's
+    choice: fewer GEMMs, ~1.4x the bf16 error of fp32 math rounded once)."""
+    return SparseMLATriton.apply(q, kv, idx, valid, scale, dv, precise)

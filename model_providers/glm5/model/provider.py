@@ -1,0 +1,71 @@
+"""Builds this rank's GLM-5 model chunks (one per virtual pipeline stage) on megatron-core."""
+
+from __future__ import annotations
+
+from megatron.core import parallel_state
+from megatron.core.models.gpt import GPTModel
+
+from model_providers.glm5.model.config import GLM5Config
+from model_providers.glm5.model.dsa.modes import apply_dsa_mode
+from model_providers.glm5.model.mtp import SharedMultiTokenPredictionBlock
+from model_providers.glm5.model.specs import decoder_block_spec, mtp_block_spec
+from model_providers.glm5.model.tp_attributes import normalize_tp_attributes
+from parallel import megatron_compat
+from parallel.device import current_device
+
+
+class GLM5Model(GPTModel):
+    """megatron's GPTModel with GLM-5's shared MTP block.
+
+    GPTModel constructs its MTP block itself (megatron-core offers no hook for its class); the
+    block spec given here has one layer, and the built block is explicitly switched to
+    :class:`SharedMultiTokenPredictionBlock` (same state, a forward that applies that layer at
+    every depth: ``megatron_compat.set_mtp_block_class``) so the parameters exist once. Its MTP
+    losses are sequence means under context parallelism and stay inside packed documents
+    (``parallel.megatron_compat.mtp``).
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        if self.mtp_process:
+            megatron_compat.set_mtp_block_class(self, SharedMultiTokenPredictionBlock)
+
+    def forward(self, input_ids, position_ids, attention_mask, *args, **kwargs):
+        """``attention_mask`` is None or the micro-batch's document ids [b, L] (see
+        ``dsa.layout``); MTP's shifts then stay inside documents
+        (``megatron_compat.document_boundaries``)."""
+        with megatron_compat.document_boundaries(attention_mask if self.mtp_process else None):
+            return super().forward(input_ids, position_ids, attention_mask, *args, **kwargs)
+
+
+def build_model_chunks(cfg: GLM5Config, tcfg, backend: str) -> list[GLM5Model]:
+    """Model chunks of this rank in virtual-stage order; each knows whether it embeds
+    (first stage), computes the loss (last stage) and holds the MTP module. Their linear layers'
+    TP attributes are set from the layers' layout, not the backend's marks (``tp_attributes``).
+    megatron-core's fixes are installed first (idempotent; ``parallel.initialize`` did already)."""
+    megatron_compat.install()
+    vpp = tcfg.virtual_pipeline_model_parallel_size or 1
+    chunks = []
+    for vp_stage in range(vpp):
+        stage = vp_stage if vpp > 1 else None
+        chunks.append(
+            GLM5Model(
+                config=tcfg,
+                transformer_layer_spec=decoder_block_spec(tcfg, backend, cfg.dsa, vp_stage=stage),
+                vocab_size=cfg.padded_vocab_size(tcfg.tensor_model_parallel_size),
+                max_sequence_length=cfg.max_position_embeddings,
+                pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
+                post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
+                share_embeddings_and_output_weights=False,
+                position_embedding_type="rope",
+                rotary_base=int(cfg.rope_theta),
+                mtp_block_spec=mtp_block_spec(tcfg, backend, cfg.dsa, vp_stage=stage),
+                vp_stage=stage,
+            )
+        )
+    for chunk in chunks:  # plain torch modules (indexer, local norms) are built on the host
+        if not any(p.is_meta for p in chunk.parameters()):  # meta builds (sizing) stay on meta
+            chunk.to(current_device())
+    normalize_tp_attributes(chunks)
+    apply_dsa_mode(chunks, tcfg, cfg.dsa.mode)
+    return chunks

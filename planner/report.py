@@ -1,0 +1,100 @@
+"""The planner's console table and ``plan.json``."""
+
+from __future__ import annotations
+
+from model_providers.glm5.counting.flops import FlopsPerToken
+from planner.stage_plan import GIB, StagePlan
+
+
+def layout_name(layout: dict) -> str:
+    """tp2 pp8 vpp2 ep32 cp1 dp2 sp distopt sel  (the fields a Slurm user sets)."""
+    if "tp" not in layout:
+        return "-"
+    parts = [f"tp{layout['tp']}", f"pp{layout['pp']}"]
+    if layout["vpp"]:
+        parts.append(f"vpp{layout['vpp']}")
+    parts += [f"ep{layout['ep']}"]
+    if layout["etp"] != layout["tp"]:
+        parts.append(f"etp{layout['etp']}")
+    parts += [f"cp{layout['cp']}", f"dp{layout['dp']}"]
+    if layout["first_stage_layers"] is not None or layout["last_stage_layers"] is not None:
+        parts.append(f"ends{layout['first_stage_layers'] or '-'}/{layout['last_stage_layers'] or '-'}")
+    parts.append({"none": "rc-none", "selective": "rc-sel", "full": "rc-full"}[layout["recompute"]])
+    return " ".join(parts)
+
+
+def stage_row(p: StagePlan) -> dict:
+    """One stage as plan.json writes it."""
+    row = {"name": p.name, "fits": p.fits, "layout": p.layout, "steps": p.steps, "tokens": p.tokens,
+           "seq_length": p.seq_length, "problems": p.problems}
+    if p.problems:
+        return row
+    worst = max(p.ranks, key=lambda r: r.peak)
+    row.update({
+        "peak_gib": worst.peak / GIB, "headroom": p.headroom, "peak_rank": f"pp{worst.pp_rank}",
+        "flops_per_token": p.flops.total, "flops": _flops_dict(p.flops),
+        "megatron_flops_per_token": p.megatron_flops_per_token,
+        "step_s": p.step.total_s, "tokens_per_s_per_gpu": p.step.tokens_per_s_per_gpu,
+        "mfu": p.step.mfu, "mfu_exact": p.step.mfu_exact, "gpu_hours": p.gpu_hours,
+        "time": {k: getattr(p.step, k) for k in ("compute_s", "tp_s", "ep_s", "pp_bubble_s", "pp_p2p_s",
+                                                  "cp_s", "dp_s")},
+        "ranks": [{"pp_rank": r.pp_rank, "params": r.params,
+                   **{f"{k}_gib": getattr(r, k) / GIB for k in
+                      ("weights", "grads", "main_params", "optimizer", "activations", "optimizer_step", "peak")}}
+                  for r in p.ranks],
+    })
+    return row
+
+
+def _flops_dict(f: FlopsPerToken) -> dict:
+    return {k: getattr(f, k) for k in f.__dataclass_fields__}
+
+
+def plan_json(plans: list[StagePlan], cluster, overrides: list[str]) -> dict:
+    return {"cluster": {k: getattr(cluster, k) for k in cluster.__dataclass_fields__},
+            "world_size": cluster.world_size, "overrides": overrides,
+            "stages": [stage_row(p) for p in plans],
+            "gpu_hours": sum(p.gpu_hours for p in plans if not p.problems)}
+
+
+def table(plans: list[StagePlan], cluster) -> str:
+    head = (f"{'stage':<24} {'layout':<48} {'peak GiB':>8} {'free':>5} {'fits':>4} "
+            f"{'GFLOP/tok':>9} {'step s':>7} {'tok/s/GPU':>9} {'MFU':>5} {'GPU-h':>9}")
+    lines = [head, "-" * len(head)]
+    for p in plans:
+        if p.problems:
+            lines.append(f"{p.name:<24} does not validate at {cluster.world_size} GPUs:")
+            lines += [f"{'':<26}- {why}" for why in p.problems]
+            continue
+        lines.append(
+            f"{p.name:<24} {layout_name(p.layout):<48} {p.peak / GIB:>8.1f} {p.headroom:>5.0%} "
+            f"{'yes' if p.fits else 'NO':>4} {p.megatron_flops_per_token / 1e9:>9.1f} "
+            f"{p.step.total_s:>7.2f} {p.step.tokens_per_s_per_gpu:>9.0f} {p.step.mfu:>5.1%} "
+            f"{p.gpu_hours:>9.3g}")
+    total = sum(p.gpu_hours for p in plans if not p.problems)
+    lines.append(f"{'whole curriculum':<24} {'':<48} {'':>8} {'':>5} {'':>4} {'':>9} {'':>7} {'':>9} "
+                 f"{'':>5} {total:>9.3g}")
+    return "\n".join(lines)
+
+
+def rank_table(p: StagePlan) -> str:
+    """Memory per pipeline rank of one stage, GiB."""
+    cols = ("weights", "grads", "main_params", "optimizer", "activations", "optimizer_step", "peak")
+    head = f"  {'rank':<5} {'params':>8} " + " ".join(f"{c.replace('_', ' '):>10}" for c in cols)
+    lines = [f"{p.name}: memory per pipeline rank (GiB; the peak adds the larger of activations "
+             f"and the optimizer step to the state)", head]
+    for r in p.ranks:
+        lines.append(f"  pp{r.pp_rank:<3} {r.params / 1e9:>7.2f}B " +
+                     " ".join(f"{getattr(r, c) / GIB:>10.2f}" for c in cols))
+    return "\n".join(lines)
+
+
+def time_lines(p: StagePlan) -> str:
+    s = p.step
+    f = p.flops
+    return (f"{p.name}: per token {f.total / 1e9:.1f} GFLOP exact (attention {f.attention / 1e9:.1f}, "
+            f"indexer {f.indexer / 1e9:.1f}, MTP {f.mtp / 1e9:.1f}, output heads "
+            f"{f.output_heads / 1e9:.1f}), {p.megatron_flops_per_token / 1e9:.1f} Megatron's accounting; "
+            f"step {s.total_s:.2f} s = compute {s.compute_s:.2f} + TP {s.tp_s:.2f} + EP {s.ep_s:.2f} + "
+            f"PP bubble {s.pp_bubble_s:.2f} + PP sends {s.pp_p2p_s:.2f} + CP {s.cp_s:.2f} + DP {s.dp_s:.2f} "
+            f"(exposed); MFU {s.mfu:.1%} by Megatron's accounting, {s.mfu_exact:.1%} by the exact count")
