@@ -160,3 +160,12 @@ def sparse_mla_cpu(q_lat, q_pe, kv, idx, valid, scale: float):
     [b, s, k] fp32). o is kept for the backward (delta = rowsum(dO o)); a per-head GEMM on
     ``o.permute(2, 0, 1, 3)`` reads and keeps that same storage."""
     return SparseLatentAttentionCPU.apply(q_lat, q_pe, kv, idx, valid, scale)
+
+
+if __name__ == "__main__":  # `make` builds it once per machine: no test or run waits on the compiler
+    lanes = kernel_lanes()
+    started = time.perf_counter()
+    built = _built(lanes)
+    print(f"fused CPU kernel: {describe_lanes(lanes)}: "
+          f"{'ready' if built is not None else 'not built (the torch path is used)'} "
+          f"in {time.perf_counter() - started:.1f} s")
