@@ -9,7 +9,7 @@ every other non-2-D parameter. Frozen parameters (``requires_grad=False``) are i
 
 Tensor parallelism: a matrix's split is read from its ``tensor_model_parallel`` / ``partition_dim``
 attributes, which the model provider sets from each layer's layout under every backend
-(``model_providers.glm5.model.tp_attributes``; Transformer Engine's own marks call replicated and
+(``parallel.megatron_compat.tp_attributes``; Transformer Engine's own marks call replicated and
 row-parallel expert weights split along dim 0). megatron shards ``linear_q_up_proj`` /
 ``linear_kv_up_proj`` by head, so with ``split=per_head`` every block is TP-local and needs no
 communication. Any other TP-sharded matrix (column-parallel: rows split; row-parallel: columns

@@ -1,5 +1,5 @@
 """TP attributes from each linear layer's layout, not from the backend's marks
-(``model_providers/glm5/model/tp_attributes.py``).
+(``parallel/megatron_compat/tp_attributes.py``).
 
 Transformer Engine is not installable here, so its marks are reproduced on the local tiny model:
 every linear weight ``tensor_model_parallel=True`` (the replicated MLA down-projections, TE's
@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from model_providers.glm5.model.tp_attributes import layout_of, normalize_tp_attributes
+from parallel.megatron_compat.tp_attributes import layout_of, normalize_tp_attributes
 from parallel.initialize import free_port
 
 TE = "megatron.core.extensions.transformer_engine"

@@ -9,8 +9,8 @@ from model_providers.glm5.model.config import GLM5Config
 from model_providers.glm5.model.dsa.modes import apply_dsa_mode
 from model_providers.glm5.model.mtp import SharedMultiTokenPredictionBlock
 from model_providers.glm5.model.specs import decoder_block_spec, mtp_block_spec
-from model_providers.glm5.model.tp_attributes import normalize_tp_attributes
 from parallel import megatron_compat
+from parallel.megatron_compat.tp_attributes import normalize_tp_attributes
 from parallel.device import current_device
 
 
@@ -41,7 +41,8 @@ class GLM5Model(GPTModel):
 def build_model_chunks(cfg: GLM5Config, tcfg, backend: str) -> list[GLM5Model]:
     """Model chunks of this rank in virtual-stage order; each knows whether it embeds
     (first stage), computes the loss (last stage) and holds the MTP module. Their linear layers'
-    TP attributes are set from the layers' layout, not the backend's marks (``tp_attributes``).
+    TP attributes are set from the layers' layout, not the backend's marks
+    (``megatron_compat.tp_attributes``).
     megatron-core's fixes are installed first (idempotent; ``parallel.initialize`` did already)."""
     megatron_compat.install()
     vpp = tcfg.virtual_pipeline_model_parallel_size or 1

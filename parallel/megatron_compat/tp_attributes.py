@@ -1,5 +1,7 @@
 """The tensor-parallel split of every linear layer's parameters, written onto them from what the
-layer is, so that the TP attributes mean the same under every layer backend.
+layer is, so that the TP attributes mean the same under every layer backend: a correction of the
+marks megatron-core 0.16.1's Transformer Engine layers leave (called by the model provider on
+every chunk it builds; refuses another megatron-core release, whose classes it names).
 
 Muon gathers a TP-sharded matrix along ``partition_dim`` before orthogonalising it
 (``pretrain.optim.matrices``), and megatron's grad norm counts a gradient on every TP rank only
@@ -39,6 +41,8 @@ from __future__ import annotations
 import re
 
 import torch
+
+from parallel.megatron_compat.version import check_megatron_core
 
 COLUMN, ROW, REPLICATED = "column", "row", "replicated"
 
@@ -80,6 +84,7 @@ def _mark(param: torch.Tensor, dim: int | None) -> None:
 def normalize_tp_attributes(model_chunks) -> None:
     """Set ``tensor_model_parallel`` / ``partition_dim`` / ``partition_stride`` of every linear
     layer's weights and biases in ``model_chunks`` from its layout (see the module docstring)."""
+    check_megatron_core(__file__)
     for chunk in model_chunks:
         for module in chunk.modules():
             layout = layout_of(module)
