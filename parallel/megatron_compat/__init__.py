@@ -1,14 +1,22 @@
-"""Every change this project makes to megatron-core's behaviour, in one package.
+"""Every change this project makes to megatron-core's behaviour, and every place it reaches into
+megatron-core's internals, in one package.
 
 - Correctness fixes, on every backend (CPU and GPU): :func:`install` (``fixes.py``,
   ``distrib_optimizer.py``, ``mtp.py``), called by ``parallel.initialize`` before any model or
   optimizer is built. :func:`document_boundaries` and :func:`set_mtp_block_class` are the two
   per-model hooks of ``mtp.py``; :func:`release_cached_modules` empties megatron's caches.
+- ``tp_attributes.py``: the TP marks of every linear layer's parameters rewritten from what the
+  layer is (Transformer Engine's are wrong for replicated and expert layers); the model provider
+  applies it to every chunk it builds.
+- ``meta_rank.py``: megatron's private ``parallel_state`` globals, ``torch.distributed``'s default
+  group and ``torch.cuda.current_device`` as one rank of a layout sees them, without process
+  groups, for the planner's meta builds (restored on exit).
 - CPU emulation, only without CUDA: ``cpu_emulation.py`` (CUDA on CPU ranks) and
   ``strict_cuda.py`` (fail where CUDA would), installed by ``cpu_emulation.install``.
 
-Each patch names the upstream behaviour it changes; both installs refuse a megatron-core release
-other than the one they were written for (``version.py``), so an upgrade shows which to re-check.
+Each patch names the upstream behaviour it changes; the installs and the entry points of the
+other modules refuse a megatron-core release other than the one they were written for
+(``version.py``), so an upgrade shows which to re-check.
 """
 
 from parallel.megatron_compat.fixes import install, release_cached_modules

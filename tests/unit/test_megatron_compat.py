@@ -4,6 +4,7 @@ megatron-core upgrade shows which fix to re-check."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import queue
@@ -326,3 +327,97 @@ def test_checkpoint_write_results_use_an_in_process_queue():
 
     megatron_compat.install()
     assert type(filesystem_async._get_write_results_queue()) is queue.Queue
+
+
+# --- meta_rank: megatron's parallel state for a meta build -----------------------------------------
+
+
+def _parallel_state_snapshot() -> dict:
+    import re
+
+    from megatron.core import parallel_state as ps
+
+    return {k: v for k, v in vars(ps).items() if re.match(r"^_[A-Z][A-Z0-9_]*$", k)}
+
+
+@pytest.mark.parametrize("fail_inside", [False, True])
+def test_rank_position_sets_megatrons_sizes_and_restores_every_global(fail_inside):
+    """Inside: megatron's own getters answer the layout's sizes and this rank's pipeline index,
+    ``torch.distributed`` looks initialised and ``torch.cuda.current_device()`` is ``meta``. On
+    exit (also through an exception): every parallel_state global is the object it was, none is
+    added, and the default group and ``current_device`` are torch's again."""
+    from torch.distributed.distributed_c10d import GroupMember
+
+    world, GroupMember.WORLD = GroupMember.WORLD, None  # no process group, as in the planner CLI
+    try:
+        _check_rank_position(fail_inside)
+    finally:
+        GroupMember.WORLD = world
+
+
+def _check_rank_position(fail_inside: bool) -> None:
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from torch.distributed.distributed_c10d import GroupMember
+
+    from parallel.megatron_compat import cpu_emulation, meta_rank
+
+    cpu_emulation.install()  # what rank_position installs first on CPU, and leaves (as every CPU run)
+    before, device = _parallel_state_snapshot(), torch.cuda.current_device
+    sizes = dict(tp=2, pp=4, cp=2, dp=3, ep=4, expert_tp=1, expert_dp=6, world_size=96, vpp=2)
+    with pytest.raises(KeyError) if fail_inside else contextlib.nullcontext():
+        with meta_rank.rank_position(**sizes, pp_rank=3):
+            assert dist.is_initialized() and GroupMember.WORLD.size() == 96
+            assert torch.cuda.current_device() == torch.device("meta")
+            assert ps.get_tensor_model_parallel_world_size() == 2
+            assert ps.get_tensor_model_parallel_rank() == 0
+            assert ps.get_pipeline_model_parallel_world_size() == 4
+            assert ps.get_pipeline_model_parallel_rank() == 3
+            assert ps.get_pipeline_model_parallel_group().rank() == 3
+            assert ps.get_virtual_pipeline_model_parallel_world_size() == 2
+            assert ps.get_context_parallel_world_size() == 2
+            assert ps.get_data_parallel_world_size() == 3
+            assert ps.get_data_parallel_group(with_context_parallel=True).size() == 6
+            assert ps.get_expert_model_parallel_world_size() == 4
+            assert ps.get_expert_data_parallel_world_size() == 6
+            assert ps.get_embedding_group(check_initialized=False) is None  # untied: no all-reduce
+            ps._ADDED_BY_A_BUILD = 1
+            if fail_inside:
+                raise KeyError("a build that fails")
+    after = _parallel_state_snapshot()
+    assert after.keys() == before.keys()
+    assert [k for k in before if after[k] is not before[k]] == []
+    assert GroupMember.WORLD is None and not dist.is_initialized()
+    assert torch.cuda.current_device is device
+
+
+def test_rank_position_keeps_an_existing_default_group(one_rank):
+    """With a real process group (a training process planning) the default group stays it."""
+    from torch.distributed.distributed_c10d import GroupMember
+
+    from parallel.megatron_compat import meta_rank
+
+    world = GroupMember.WORLD
+    with meta_rank.rank_position(tp=1, pp=2, cp=1, dp=8, ep=1, expert_tp=1, expert_dp=8,
+                                 world_size=16, pp_rank=1):
+        assert GroupMember.WORLD is world
+    assert GroupMember.WORLD is world
+    with pytest.raises(ValueError, match="pp_rank=2 is not a pipeline rank of pp=2"):
+        with meta_rank.rank_position(tp=1, pp=2, cp=1, dp=8, ep=1, expert_tp=1, expert_dp=8,
+                                     world_size=16, pp_rank=2):
+            pass
+
+
+def test_meta_embedding_is_marked_vocab_parallel():
+    """megatron marks the embedding TP-split in its init functions, which a meta build skips."""
+    from megatron.core.tensor_parallel.layers import VocabParallelEmbedding
+
+    from parallel.megatron_compat import meta_rank
+
+    embedding = object.__new__(VocabParallelEmbedding)
+    torch.nn.Module.__init__(embedding)
+    embedding.weight = torch.nn.Parameter(torch.empty(8, 4, device="meta"))
+    assert not getattr(embedding.weight, "tensor_model_parallel", False)
+    meta_rank.mark_vocab_parallel([torch.nn.Sequential(embedding)])
+    w = embedding.weight
+    assert (w.tensor_model_parallel, w.partition_dim, w.partition_stride) == (True, 0, 1)
