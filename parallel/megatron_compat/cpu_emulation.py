@@ -1,7 +1,7 @@
 """Run megatron-core 0.16.1's real parallel code on CPU ranks (gloo).
 
 megatron-core assumes CUDA everywhere. Everything that makes it run without CUDA lives here, one
-patch per behaviour (see MEGATRON_ON_CPU.md in the shared notes), and is installed only when CUDA is
+patch per behaviour (see docs/cpu_ranks.md), and is installed only when CUDA is
 absent (fixes that hold on GPUs too are in ``fixes.py``). Each patch has its own test in
 ``tests/unit/test_cpu_emulation.py`` so a megatron-core upgrade shows exactly which one broke.
 """

@@ -1,7 +1,7 @@
 """The default run (what `make run` does, with only the run dir moved to a temp folder): the
 tiny GLM-5 curriculum on CPU -- general then code/reasoning-heavy pretraining at 128 tokens,
 context extension to 256 / 512 / 1024, DSA indexer warm-up, sparse training -- in under 5
-minutes, leaving DESIGN.md's run directory, the curriculum plot and a one-line JSON summary."""
+minutes, leaving the run directory of docs/design.md, the curriculum plot and a one-line JSON summary."""
 
 import json
 import os

@@ -1,5 +1,5 @@
 """The GLM-5 network as megatron-core builds it, checked against the published GLM-5 numbers
-(../shared/GLM5_REFERENCE.md) and, for the tiny model, against megatron-core's own MTP block.
+(docs/model.md) and, for the tiny model, against megatron-core's own MTP block.
 
 One process, a 1-rank gloo group and megatron's model-parallel groups (TP = PP = EP = 1). The
 744B model is built on the meta device: shapes and counts are real, no weight memory is used.
@@ -28,9 +28,9 @@ pytestmark = pytest.mark.skipif(
 
 CONF = os.path.join(os.path.dirname(__file__), "..", "..", "conf")
 
-HF_STORED_PARAMS = 753_864_139_008  #: GLM-5 HF weight dump (GLM5_REFERENCE.md)
+HF_STORED_PARAMS = 753_864_139_008  #: GLM-5 HF weight dump (docs/model.md)
 
-#: HF tensor shapes of one GLM-5 layer (GLM5_REFERENCE.md), [out, in].
+#: HF tensor shapes of one GLM-5 layer (docs/model.md), [out, in].
 HF = {
     "q_a_proj": (2048, 6144),
     "q_b_proj": (16384, 2048),

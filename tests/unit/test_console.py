@@ -126,7 +126,7 @@ def _yaml_model(name: str) -> GLM5Config:
 
 
 def test_744b_counts_match_the_hf_dump():
-    """HF stores 753,864,139,008 parameters (GLM5_REFERENCE.md), of which the 76 routers'
+    """HF stores 753,864,139,008 parameters (docs/model.md), of which the 76 routers'
     expert biases (76 x 256) are megatron buffers; 744B without the MTP module; ~39.9B active
     per token without embeddings."""
     size = model_size(_yaml_model("glm5_744b"))

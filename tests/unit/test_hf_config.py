@@ -55,7 +55,7 @@ def test_dense_only_model_round_trips():
 
 
 def test_glm5_744b_matches_the_released_hf_config():
-    """Numbers from GLM-5's config.json (shared/GLM5_REFERENCE.md)."""
+    """Numbers from GLM-5's config.json (docs/model.md)."""
     hf = hf_from_glm5(_model_yaml("glm5_744b"))
     released = dict(vocab_size=154880, hidden_size=6144, intermediate_size=12288,
                     moe_intermediate_size=2048, num_hidden_layers=78, num_attention_heads=64,

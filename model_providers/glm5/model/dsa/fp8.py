@@ -1,7 +1,7 @@
 """FP8 scoring for the DSA lightning indexer: blockwise e4m3 quantisation, the torch reference of
 the FP8 logits, and `index_logits`, the entry point the indexer module calls.
 
-Score (GLM5_REFERENCE.md, "DSA definition"), batch-first shapes:
+Score (docs/dsa.md), batch-first shapes:
     q [b, sq, H, d], k [b, sk, d] (one key per token, shared by the heads), w [b, sq, H] fp32
     I(t, s) = sum_j w(t, j) * ReLU(q(t, j) . k(s))  -> logits [b, sq, sk] fp32
 w already carries the H^-0.5 * d^-0.5 scale. Causal: key s is visible to the query at absolute
