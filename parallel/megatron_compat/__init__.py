@@ -8,6 +8,8 @@ megatron-core's internals, in one package.
 - ``tp_attributes.py``: the TP marks of every linear layer's parameters rewritten from what the
   layer is (Transformer Engine's are wrong for replicated and expert layers); the model provider
   applies it to every chunk it builds.
+- ``optimizer_wrappers.py``: what an optimizer taking the place of megatron's inner torch
+  optimizer (Muon) reads of megatron's optimizer wrappers, and the replacement itself.
 - ``meta_rank.py``: megatron's private ``parallel_state`` globals, ``torch.distributed``'s default
   group and ``torch.cuda.current_device`` as one rank of a layout sees them, without process
   groups, for the planner's meta builds (restored on exit).

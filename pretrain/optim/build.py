@@ -7,7 +7,8 @@ matrices (their own max/min LR and weight decay, read by OptimizerParamScheduler
 wrapper's inner ``torch.optim.AdamW`` is replaced by a ``MuonAdamW`` over the very same groups,
 told which of its parameters are which matrices (model params, fp32 main copies or distributed
 shards). megatron-core's own Muon needs ``emerging-optimizers`` and refuses the distributed
-optimizer; this path needs neither.
+optimizer; this path needs neither. What it reads of megatron's wrappers, and the replacement
+itself, are ``parallel.megatron_compat.optimizer_wrappers``.
 """
 
 from __future__ import annotations
@@ -15,11 +16,9 @@ from __future__ import annotations
 import torch
 from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
 from megatron.core.optimizer import get_megatron_optimizer, get_standard_config_overrides
-from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-from megatron.core.optimizer.optimizer import (Float16OptimizerWithFloat16Params, FP32Optimizer,
-                                               param_group_identifier_keys)
 from megatron.core.optimizer.optimizer_config import ParamKey
 
+from parallel.megatron_compat import optimizer_wrappers
 from pretrain.config.schema import OptimizerConfig
 from pretrain.optim.matrices import muon_matrices
 from pretrain.optim.muon_adamw import DPAssembly, MuonAdamW, MuonHyper, ShardPlacement
@@ -56,7 +55,7 @@ def build_optimizer(model_chunks, opt: OptimizerConfig, precision_dtype: str, di
     m = opt.muon
     hyper = MuonHyper(momentum=m.momentum, nesterov=m.nesterov, ns_steps=m.ns_steps,
                       ns_dtype=m.ns_dtype, scale=m.scale)
-    for wrapper in optimizer.chained_optimizers:
+    for wrapper in optimizer_wrappers.wrappers(optimizer):
         _adopt(wrapper, specs, hyper, opt)
     return optimizer
 
@@ -80,49 +79,35 @@ def _overrides(cfg, opt: OptimizerConfig) -> dict:
     return overrides
 
 
-def _main_params(wrapper):
-    """(model parameter, parameter the inner optimizer steps) pairs of one megatron wrapper."""
-    if isinstance(wrapper, DistributedOptimizer):
-        groups = [(wrapper.model_fp32_groups, wrapper.shard_fp32_groups),
-                  (wrapper.model_float16_groups, wrapper.shard_fp32_from_float16_groups)]
-    elif isinstance(wrapper, Float16OptimizerWithFloat16Params):
-        groups = [(wrapper.float16_groups, wrapper.fp32_from_float16_groups),
-                  (wrapper.fp32_from_fp32_groups, wrapper.fp32_from_fp32_groups)]
-    elif isinstance(wrapper, FP32Optimizer):
-        groups = [([g["params"] for g in wrapper.optimizer.param_groups],) * 2]
-    else:
-        raise TypeError(f"Muon cannot adopt a {type(wrapper).__name__}")
-    return [pair for models, mains in groups for gm, gs in zip(models, mains) for pair in zip(gm, gs)]
-
-
-def _assembly(wrapper: DistributedOptimizer, specs: dict, main_of: dict) -> DPAssembly:
+def _assembly(wrapper, specs: dict, main_of: dict) -> DPAssembly:
+    """Where each of this rank's Muon shards sits in the DP assembly buffer: the wrapper's Muon
+    matrices one after the other, in megatron's buffer order (the same on every DP rank)."""
     offsets, numel = {}, 0
-    for buffer in wrapper.buffers:  # same order on every DP rank
-        for model_param in buffer.param_index_map:
-            if model_param in specs:
-                offsets[model_param] = numel
-                numel += model_param.numel()
-    placements = {}
-    for model_param, main in main_of.items():
-        r = wrapper._get_model_param_range_map(model_param)["param"]
-        placements[main] = ShardPlacement(offsets[model_param], model_param.numel(), r.start, r.end)
-    device = wrapper.buffers[0].grad_data.device  # the parameters' (torch.cuda.current_device())
-    return DPAssembly(wrapper.data_parallel_group, numel, placements, device)
+    for model_param in optimizer_wrappers.buffer_order(wrapper):
+        if model_param in specs:
+            offsets[model_param] = numel
+            numel += model_param.numel()
+    placements = {main: ShardPlacement(offsets[model_param], model_param.numel(),
+                                       *optimizer_wrappers.owned_range(wrapper, model_param))
+                  for model_param, main in main_of.items()}
+    return DPAssembly(optimizer_wrappers.data_parallel_group(wrapper), numel, placements,
+                      optimizer_wrappers.buffer_device(wrapper))
 
 
 def _adopt(wrapper, specs: dict, hyper: MuonHyper, opt: OptimizerConfig) -> None:
-    inner = wrapper.optimizer
-    if inner is None:
-        return
-    keys = [tuple(g.get(k) for k in param_group_identifier_keys) for g in inner.param_groups]
-    if len(set(keys)) != len(keys):
-        raise ValueError(f"param groups megatron cannot tell apart on load: {keys}")
-    main_of = {model: main for model, main in _main_params(wrapper) if model in specs}
-    assembly = _assembly(wrapper, specs, main_of) if isinstance(wrapper, DistributedOptimizer) else None
-    wrapper.optimizer = MuonAdamW(
-        inner.param_groups,
-        matrices={main: specs[model] for model, main in main_of.items()},
-        hyper=hyper,
-        assembly=assembly,
-        lr=opt.lr, betas=(opt.beta1, opt.beta2), eps=opt.eps, weight_decay=opt.weight_decay,
-    )
+    """The wrapper's inner AdamW becomes a MuonAdamW over the same groups, told which of the
+    parameters it steps are which Muon matrices."""
+
+    def muon_adamw(param_groups):
+        main_of = {model: main for model, main in optimizer_wrappers.main_params(wrapper)
+                   if model in specs}
+        distributed = optimizer_wrappers.is_distributed(wrapper)
+        return MuonAdamW(
+            param_groups,
+            matrices={main: specs[model] for model, main in main_of.items()},
+            hyper=hyper,
+            assembly=_assembly(wrapper, specs, main_of) if distributed else None,
+            lr=opt.lr, betas=(opt.beta1, opt.beta2), eps=opt.eps, weight_decay=opt.weight_decay,
+        )
+
+    optimizer_wrappers.replace_inner_optimizer(wrapper, muon_adamw)

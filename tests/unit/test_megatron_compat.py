@@ -421,3 +421,120 @@ def test_meta_embedding_is_marked_vocab_parallel():
     meta_rank.mark_vocab_parallel([torch.nn.Sequential(embedding)])
     w = embedding.weight
     assert (w.tensor_model_parallel, w.partition_dim, w.partition_stride) == (True, 0, 1)
+
+
+# --- optimizer_wrappers: what an optimizer replacing megatron's inner one reads of its wrappers ----
+
+
+def _fp32_wrapper(groups):
+    from megatron.core.optimizer import OptimizerConfig
+    from megatron.core.optimizer.optimizer import FP32Optimizer
+
+    return FP32Optimizer(torch.optim.AdamW(groups, lr=1e-3), OptimizerConfig(lr=1e-3), lambda opt, cfg: None)
+
+
+def _groups(**differ):
+    """Two param groups with megatron's identifier keys; ``differ``: the second group's keys."""
+    keys = dict(wd_mult=1.0, lr_mult=1.0, is_expert_parallel=False, is_decoupled_lr=False)
+    return [dict(params=[torch.nn.Parameter(torch.ones(3, 2)), torch.nn.Parameter(torch.ones(4))], **keys),
+            dict(params=[torch.nn.Parameter(torch.ones(2, 2))], **{**keys, **differ})]
+
+
+def test_replace_inner_optimizer_keeps_megatrons_groups(one_rank):
+    """The new inner optimizer steps megatron's very group dicts and parameters: the wrapper's
+    param_groups (what the LR scheduler sets) are its groups, and its main parameters are the
+    model parameters (fp32, no distributed optimizer)."""
+    from parallel.megatron_compat import optimizer_wrappers
+
+    wrapper = _fp32_wrapper(_groups(is_decoupled_lr=True))
+    groups, params = list(wrapper.optimizer.param_groups), [list(g["params"]) for g in wrapper.optimizer.param_groups]
+    new = optimizer_wrappers.replace_inner_optimizer(wrapper, lambda gs: torch.optim.SGD(gs, lr=0.1))
+    assert wrapper.optimizer is new and type(new) is torch.optim.SGD
+    assert all(a is b for a, b in zip(wrapper.param_groups, groups)) and len(wrapper.param_groups) == 2
+    pairs = optimizer_wrappers.main_params(wrapper)
+    assert [m for m, _ in pairs] == [p for ps in params for p in ps] and all(m is s for m, s in pairs)
+    assert not optimizer_wrappers.is_distributed(wrapper)
+
+
+def test_replace_inner_optimizer_refuses_groups_megatron_cannot_tell_apart(one_rank):
+    """megatron matches param groups by ``param_group_identifier_keys`` when it loads a
+    checkpoint: two groups equal in those keys would load each other's state."""
+    from parallel.megatron_compat import optimizer_wrappers
+
+    wrapper = _fp32_wrapper(_groups())  # the second group differs in no identifier key
+    inner, built = wrapper.optimizer, []
+    with pytest.raises(ValueError, match="param groups megatron cannot tell apart on load"):
+        optimizer_wrappers.replace_inner_optimizer(wrapper, lambda gs: built.append(1) or torch.optim.SGD(gs, lr=0.1))
+    assert wrapper.optimizer is inner and built == []
+
+
+@pytest.mark.parametrize("change", ["copied groups", "reordered params", "dropped group"])
+def test_replace_inner_optimizer_refuses_other_groups(one_rank, change):
+    """The wrapper indexes its inner optimizer's groups and parameters by position."""
+    from parallel.megatron_compat import optimizer_wrappers
+
+    def build(gs):
+        if change == "copied groups":
+            return torch.optim.SGD([dict(g) for g in gs], lr=0.1)
+        if change == "reordered params":
+            gs[0]["params"] = gs[0]["params"][::-1]
+            return torch.optim.SGD(gs, lr=0.1)
+        return torch.optim.SGD(gs[:1], lr=0.1)
+
+    wrapper = _fp32_wrapper(_groups(is_decoupled_lr=True))
+    inner = wrapper.optimizer
+    with pytest.raises(ValueError, match="must step megatron's param groups themselves"):
+        optimizer_wrappers.replace_inner_optimizer(wrapper, build)
+    assert wrapper.optimizer is inner
+
+
+def test_replace_inner_optimizer_refuses_an_optimizer_with_state_and_skips_a_stub(one_rank):
+    from parallel.megatron_compat import optimizer_wrappers
+
+    wrapper = _fp32_wrapper(_groups(is_decoupled_lr=True))
+    for group in wrapper.optimizer.param_groups:
+        for p in group["params"]:
+            p.grad = torch.ones_like(p)
+    wrapper.optimizer.step()
+    with pytest.raises(ValueError, match="already has state"):
+        optimizer_wrappers.replace_inner_optimizer(wrapper, lambda gs: torch.optim.SGD(gs, lr=0.1))
+    stub = SimpleNamespace(optimizer=None)  # a rank without parameters in this wrapper
+    assert optimizer_wrappers.replace_inner_optimizer(stub, lambda gs: pytest.fail("built")) is None
+
+
+def test_distributed_optimizer_shards_as_optimizer_wrappers_reads_them(one_rank):
+    """One DP rank owns every parameter whole: each model parameter's main is its fp32 shard of
+    the same size, owned over [0, numel); the buffers hold every trainable parameter once."""
+    from parallel.megatron_compat import optimizer_wrappers
+
+    for wrapper in _distributed_adam_after_one_step():
+        assert optimizer_wrappers.is_distributed(wrapper)
+        pairs = optimizer_wrappers.main_params(wrapper)
+        order = optimizer_wrappers.buffer_order(wrapper)
+        assert len(order) == len(set(order)) and {m for m, _ in pairs} == set(order)
+        for model, main in pairs:
+            assert main.dtype == torch.float32 and main.numel() == model.numel()
+            assert optimizer_wrappers.owned_range(wrapper, model) == (0, model.numel())
+        assert optimizer_wrappers.data_parallel_group(wrapper).size() == 1
+        assert optimizer_wrappers.buffer_device(wrapper) == pairs[0][0].device
+
+
+def test_entry_points_outside_install_refuse_another_megatron_core_version(monkeypatch):
+    """The modules whose functions are called directly (not installed patches) check the release
+    too, naming their file."""
+    from megatron.core import package_info
+
+    from parallel.megatron_compat import meta_rank, optimizer_wrappers, tp_attributes
+
+    monkeypatch.setattr(package_info, "__version__", "0.17.0")
+    calls = {
+        meta_rank: lambda: meta_rank.rank_position(tp=1, pp=1, cp=1, dp=1, ep=1, expert_tp=1,
+                                                   expert_dp=1, world_size=1).__enter__(),
+        tp_attributes: lambda: tp_attributes.normalize_tp_attributes([]),
+        optimizer_wrappers: lambda: optimizer_wrappers.replace_inner_optimizer(
+            SimpleNamespace(optimizer=None), lambda groups: None),
+    }
+    for module, call in calls.items():
+        with pytest.raises(RuntimeError, match="found 0.17.0") as err:
+            call()
+        assert module.__file__ in str(err.value)
