@@ -27,11 +27,13 @@ def quiet(overrides: list[str]) -> list[str]:
     return QUIET
 
 
-def train_command(overrides: list[str], nproc: int = 1) -> list[str]:
+def train_command(overrides: list[str], nproc: int = 1, module: tuple = ("-m", "pretrain.train")) -> list[str]:
+    """The argv of a run: ``python <module> overrides`` on one rank, under torchrun on more;
+    ``module`` may name a launcher that wraps the entry point (``tests.support.topk_digest``)."""
     if nproc == 1:
-        return [sys.executable, "-m", "pretrain.train", *overrides]
+        return [sys.executable, *module, *overrides]
     return [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
-            f"--master-port={free_port()}", "-m", "pretrain.train", *overrides]
+            f"--master-port={free_port()}", *module, *overrides]
 
 
 def train_env(nproc: int) -> dict:
@@ -43,9 +45,11 @@ def train_env(nproc: int) -> dict:
     return env
 
 
-def run_train(overrides: list[str], nproc: int = 1, timeout: int = 600) -> dict:
+def run_train(overrides: list[str], nproc: int = 1, timeout: int = 600,
+              module: tuple = ("-m", "pretrain.train")) -> dict:
     """Run to completion; return the JSON summary (the last stdout line). Fails with the output."""
-    proc = subprocess.run(train_command([*quiet(overrides), *overrides], nproc), cwd=REPO, env=train_env(nproc),
+    proc = subprocess.run(train_command([*quiet(overrides), *overrides], nproc, tuple(module)), cwd=REPO,
+                          env=train_env(nproc),
                           capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
         raise AssertionError(f"training failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")

@@ -9,7 +9,6 @@ bf16) and the 744B sizes are checked against ``model_providers.glm5.counting.siz
 
 from __future__ import annotations
 
-import time
 
 import pytest
 import torch
@@ -72,14 +71,13 @@ LAYOUT_512 = ["parallel.tp=2", "parallel.pp=8", "parallel.vpp=2", "parallel.ep=3
 def test_744b_pipeline_ranks_of_the_512gpu_layout():
     """A 512-GPU layout (TP2 SP, PP8 x VPP2 with 8 / 10 layer ends, EP32): the first rank embeds, the
     last holds the output layer, the MTP layer and the MTP's copy of the embedding; all eight
-    together are the model plus that copy. Ranks 0 and 7 build within the budget."""
+    together are the model plus that copy (on the meta device: nothing is allocated)."""
     from model_providers.glm5.counting.size import model_size
 
     rc = _rc("model=glm5_744b", "precision=bf16", *LAYOUT_512)
     layout = _layout(rc, 512)
-    start = time.perf_counter()
     first, last = build_rank(rc, layout, 0), build_rank(rc, layout, 7)
-    assert time.perf_counter() - start < 30
+    assert all(p.is_meta for r in (first, last) for c in r.chunks for p in c.parameters())
     assert [len(c.decoder.layers) for c in first.chunks + last.chunks] == [4, 4, 5, 5]
     assert first.chunks[0].pre_process and not first.chunks[1].pre_process
     assert last.chunks[1].post_process and last.chunks[1].mtp_process and not last.chunks[0].post_process
