@@ -11,12 +11,19 @@ COMMON = ["trainer.steps=3", "trainer.seq_length=128", "trainer.global_batch_siz
           "checkpoint.save_at_end=false"]
 
 
+@pytest.fixture(scope="module")
+def without_recompute(tmp_path_factory):
+    """The run both recompute modes are compared with (one run for both)."""
+    run_dir = tmp_path_factory.mktemp("recompute") / "plain"
+    run_train([*COMMON, f"trainer.run_dir={run_dir}"])
+    return read_metrics(str(run_dir))
+
+
 @pytest.mark.heavy
 @pytest.mark.parametrize("recompute", ["selective", "full"])
-def test_recompute_gives_the_same_training(tmp_path, recompute):
-    run_train([*COMMON, f"trainer.run_dir={tmp_path / 'plain'}"])
+def test_recompute_gives_the_same_training(tmp_path, without_recompute, recompute):
     run_train([*COMMON, f"trainer.run_dir={tmp_path / recompute}", f"model.recompute={recompute}"])
-    want, have = read_metrics(str(tmp_path / "plain")), read_metrics(str(tmp_path / recompute))
+    want, have = without_recompute, read_metrics(str(tmp_path / recompute))
     assert len(want) == len(have) == 3
     for a, b in zip(want, have):
         for key in ("lm_loss", "mtp_loss", "grad_norm"):
