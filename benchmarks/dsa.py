@@ -210,6 +210,7 @@ def run_one(variant: str, length: int, repeats: int) -> dict:
 
     from parallel.config import ParallelConfig
     from parallel.initialize import initialize
+    from parallel.megatron_compat import MicroBatch
 
     torch.manual_seed(0)
     initialize(ParallelConfig(), seed=1234)
@@ -220,7 +221,8 @@ def run_one(variant: str, length: int, repeats: int) -> dict:
     def step(n):
         x = torch.randn(n, 1, HIDDEN, requires_grad=True)
         mask = torch.ones(1, 1, n, n, dtype=torch.bool).triu(1) if variant == "megatron" else None
-        out, _ = layer(x, attention_mask=mask)
+        with MicroBatch().active():  # the layer called on its own is one micro-batch
+            out, _ = layer(x, attention_mask=mask)
         out.float().pow(2).mean().backward()
 
     step(256)  # warm-up

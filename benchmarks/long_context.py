@@ -41,6 +41,7 @@ def run_rank(length: int, cp: int, mode: str) -> None:
     from model_providers.glm5.model.specs import _local_layer_spec
     from parallel.config import ParallelConfig
     from parallel.initialize import initialize
+    from parallel.megatron_compat import MicroBatch
 
     initialize(ParallelConfig(cp=cp), seed=1234)
     gathered = [0]
@@ -62,7 +63,8 @@ def run_rank(length: int, cp: int, mode: str) -> None:
 
     def step(n):
         x = torch.randn(n // cp, 1, HIDDEN, requires_grad=True)
-        out, _ = layer(x, attention_mask=None)
+        with MicroBatch().active():  # the layer called on its own is one micro-batch
+            out, _ = layer(x, attention_mask=None)
         out.float().pow(2).mean().backward()
 
     step(256 * cp)  # warm-up

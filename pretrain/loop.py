@@ -16,9 +16,8 @@ from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelpe
 
 from data_pipeline.batches import micro_batch_samples, micro_batches
 from model_providers.glm5.model.dsa.attention import KL_TRACKER
-from model_providers.glm5.model.dsa.dense_attention import remember_host_document_ids
 from parallel.context_parallel import batch_on_this_cp_rank
-from parallel.megatron_compat import strict_cuda
+from parallel.megatron_compat import MicroBatch, strict_cuda
 from parallel.device import current_device, to_device
 from pretrain.reliability.faults import step_is_finite
 
@@ -66,14 +65,16 @@ def forward_step(data_iterator, model, per_sample: bool = False):
     host = next(data_iterator)
     documents = document_mask(host.get("document_ids"))
     batch = batch_on_this_cp_rank(to_device(host))
-    if documents is not None:  # the attention plans its document blocks on the host copy
-        remember_host_document_ids(batch["document_ids"], documents)
+    # the model's context for this micro-batch: the attention plans its document blocks on the
+    # data loader's host copy of the ids (no device sync)
+    micro_batch = MicroBatch(batch["document_ids"], documents) if documents is not None else MicroBatch()
     output = model(
         batch["tokens"],
         batch["position_ids"],
-        batch["document_ids"] if documents is not None else None,
+        micro_batch.document_ids,
         labels=batch["labels"],
         loss_mask=batch["loss_mask"],
+        micro_batch=micro_batch,
     )
     loss_func = partial(lm_loss_func, batch["loss_mask"])
     if per_sample:

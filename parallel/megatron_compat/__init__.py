@@ -2,9 +2,14 @@
 megatron-core's internals, in one package.
 
 - Correctness fixes, on every backend (CPU and GPU): :func:`install` (``fixes.py``,
-  ``distrib_optimizer.py``, ``mtp.py``), called by ``parallel.initialize`` before any model or
-  optimizer is built. :func:`document_boundaries` and :func:`set_mtp_block_class` are the two
-  per-model hooks of ``mtp.py``; :func:`release_cached_modules` empties megatron's caches.
+  ``distrib_optimizer.py``, ``mtp.py``, ``micro_batch.py``), called by ``parallel.initialize``
+  before any model or optimizer is built. :func:`set_mtp_block_class` is the per-model hook of
+  ``mtp.py``; :func:`release_cached_modules` empties megatron's caches.
+- ``micro_batch.py``: :class:`MicroBatch`, the one per-micro-batch context for what megatron's
+  forward does not pass down (the document ids' host copy, the MTP shifts' document boundaries,
+  the MLA intermediates the DSA core attention reads); the model's forward makes it active, and
+  the installed patches re-enter it in recomputation and carry its hand-overs through the
+  core attention's selective recomputation.
 - ``tp_attributes.py``: the TP marks of every linear layer's parameters rewritten from what the
   layer is (Transformer Engine's are wrong for replicated and expert layers); the model provider
   applies it to every chunk it builds.
@@ -22,6 +27,7 @@ other modules refuse a megatron-core release other than the one they were writte
 """
 
 from parallel.megatron_compat.fixes import install, release_cached_modules
-from parallel.megatron_compat.mtp import document_boundaries, set_mtp_block_class
+from parallel.megatron_compat.micro_batch import MicroBatch
+from parallel.megatron_compat.mtp import set_mtp_block_class
 
-__all__ = ["document_boundaries", "install", "release_cached_modules", "set_mtp_block_class"]
+__all__ = ["MicroBatch", "install", "release_cached_modules", "set_mtp_block_class"]

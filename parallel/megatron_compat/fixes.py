@@ -6,7 +6,7 @@ from __future__ import annotations
 import functools
 import queue
 
-from parallel.megatron_compat import distrib_optimizer, mtp
+from parallel.megatron_compat import distrib_optimizer, micro_batch, mtp
 from parallel.megatron_compat.version import check_megatron_core
 
 _INSTALLED = False
@@ -86,10 +86,11 @@ def install() -> None:
     global _INSTALLED
     if _INSTALLED:
         return
-    check_megatron_core(__file__, distrib_optimizer.__file__, mtp.__file__)
+    check_megatron_core(__file__, distrib_optimizer.__file__, mtp.__file__, micro_batch.__file__)
     _alltoall_dispatcher_drops_probs_after_combine()
     _te_probes_without_transformer_engine()
     _in_process_checkpoint_write_results()
     distrib_optimizer.install()
     mtp.install()
+    micro_batch.install()
     _INSTALLED = True

@@ -8,21 +8,18 @@ imports its own reference). :func:`install` rebinds both references to the funct
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 
-#: [b, s_local] bool of the micro-batch the model is running: token t and token t + 1 are in the
-#: same document (None: one document per sample)
-_NEXT_IN_DOCUMENT: list = [None]
+from parallel.megatron_compat import micro_batch
+
 #: megatron's own roll_tensor, captured by :func:`install`
 _UPSTREAM_ROLL: list = [None]
 
 
-@contextlib.contextmanager
-def document_boundaries(document_ids):
-    """Within this block the MTP rolls stay inside documents (``document_ids`` [b, L], the whole
-    sequence's ids as the attention receives them, or None).
+def roll_within_documents(tensor, shifts=-1, dims=-1, cp_group=None, packed_seq_params=None):
+    """megatron's ``roll_tensor``, then zero where the next token is in another document of the
+    micro-batch being computed (``micro_batch.MicroBatch.next_in_document``); the count is the
+    kept positions'.
 
     megatron-core 0.16.1 keeps MTP inside documents only for THD ``packed_seq_params``; with
     document ids in the attention-mask slot its rolls carry the next document's tokens, labels
@@ -31,29 +28,11 @@ def document_boundaries(document_ids):
     by zeroing the positions whose successor starts another document -- what megatron's packed
     roll does per sequence -- so inputs, labels and loss mask of a packed sample equal those of
     its documents run one by one (context parallel ranks pick their zigzag positions)."""
-    from parallel.context_parallel import cp_size, local_positions
-
-    before = _NEXT_IN_DOCUMENT[0]
-    keep = None
-    if document_ids is not None:
-        keep = torch.zeros_like(document_ids, dtype=torch.bool)
-        keep[:, :-1] = document_ids[:, 1:] == document_ids[:, :-1]
-        pos = local_positions(document_ids.shape[1] // cp_size(), device=document_ids.device)
-        keep = keep if pos is None else keep[:, pos]
-    _NEXT_IN_DOCUMENT[0] = keep
-    try:
-        yield
-    finally:
-        _NEXT_IN_DOCUMENT[0] = before
-
-
-def roll_within_documents(tensor, shifts=-1, dims=-1, cp_group=None, packed_seq_params=None):
-    """megatron's ``roll_tensor``, then zero where the next token is in another document (inside
-    :func:`document_boundaries`); the count is the kept positions'."""
     rolled, count = _UPSTREAM_ROLL[0](tensor, shifts=shifts, dims=dims, cp_group=cp_group,
                                       packed_seq_params=packed_seq_params)
-    keep = _NEXT_IN_DOCUMENT[0]
-    if keep is None or packed_seq_params is not None:
+    active = micro_batch.current()
+    keep = None if active is None or packed_seq_params is not None else active.next_in_document
+    if keep is None:
         return rolled, count
     assert shifts == -1 and rolled.shape == keep.shape, (shifts, rolled.shape, keep.shape)
     rolled = rolled * keep.to(rolled.dtype)

@@ -12,6 +12,7 @@ from model_providers.glm5.model.dsa import dense_attention as dense_attention_mo
 from model_providers.glm5.model.dsa.dense_attention import BLOCK_ROWS, block_plan, dense_attention
 from model_providers.glm5.model.dsa.visibility import TokenLayout
 from parallel.context_parallel import zigzag_positions
+from parallel.megatron_compat.micro_batch import MicroBatch, host_document_ids
 
 SCALE = 0.21
 
@@ -119,19 +120,47 @@ def test_document_blocks_skip_other_documents_keys():
 
 def test_host_document_ids_are_copied_once_per_batch_and_never_stale():
     docs = _documents([100, 28])
-    first = dense_attention_module._host_document_ids(docs)
-    assert dense_attention_module._host_document_ids(docs.detach()) is first  # later layers
-    prefix = dense_attention_module._host_document_ids(docs[:, :64])  # the sparse mode's prefix
-    assert prefix.shape == (1, 64) and prefix.data_ptr() == first.data_ptr()  # no second copy
-    docs.copy_(_documents([20, 108]))  # same memory, new ids
-    assert torch.equal(dense_attention_module._host_document_ids(docs), _documents([20, 108]))
+    with MicroBatch(docs).active():
+        first = host_document_ids(docs)
+        assert host_document_ids(docs.detach()) is first  # later layers
+        prefix = host_document_ids(docs[:, :64])  # the sparse mode's prefix
+        assert prefix.shape == (1, 64) and prefix.data_ptr() == first.data_ptr()  # no second copy
+        docs.copy_(_documents([20, 108]))  # same memory, new ids
+        assert torch.equal(host_document_ids(docs), _documents([20, 108]))
 
 
-def test_the_training_step_hands_over_the_host_copy():
+def test_host_document_ids_of_another_micro_batch_are_refused():
+    """The attention asks the active micro-batch for the host copy of the ids it received: ids
+    of another micro-batch (other memory, or more keys) are an error, not another's plan."""
+    docs = _documents([100, 28])
+    with MicroBatch(docs).active():
+        with pytest.raises(RuntimeError, match=r"not those of the active MicroBatch\(document_ids=\(1, 128\)\)"):
+            host_document_ids(_documents([100, 28]))
+        with pytest.raises(RuntimeError, match="not those of the active"):
+            host_document_ids(torch.cat([docs, docs], dim=1)[:, :128])
+    with MicroBatch(None).active(), pytest.raises(RuntimeError, match="not those of the active"):
+        host_document_ids(docs)
+
+
+def test_the_training_step_hands_over_the_host_copy(monkeypatch):
     """forward_step passes the data loader's host ids with the device ones: no copy at all."""
-    device_ids, host_ids = _documents([50, 78]), _documents([50, 78])
-    dense_attention_module.remember_host_document_ids(device_ids, host_ids)
-    assert dense_attention_module._host_document_ids(device_ids) is host_ids
+    from pretrain import loop
+
+    host = {"tokens": torch.zeros(1, 128, dtype=torch.long), "position_ids": torch.zeros(1, 128, dtype=torch.long),
+            "labels": torch.zeros(1, 128, dtype=torch.long), "loss_mask": torch.ones(1, 128),
+            "document_ids": _documents([50, 78])}
+    monkeypatch.setattr(loop, "to_device", lambda batch: {k: v.clone() for k, v in batch.items()})
+    seen = []
+
+    def model(tokens, position_ids, attention_mask, *, labels, loss_mask, micro_batch):
+        with micro_batch.active():
+            seen.append((attention_mask, micro_batch.document_ids, host_document_ids(attention_mask)))
+        return torch.zeros(1, 128)
+
+    loop.forward_step(iter([host]), model)
+    (device_ids, held, host_ids), = seen
+    assert held is device_ids and device_ids is not host["document_ids"]
+    assert host_ids is host["document_ids"]
 
 
 class _LargestAllocation(TorchDispatchMode):

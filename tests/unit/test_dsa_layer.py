@@ -8,7 +8,17 @@ import pytest
 import torch
 
 from model_providers.glm5.model.config import DSAConfig
+from parallel.megatron_compat import micro_batch
+from parallel.megatron_compat.micro_batch import MicroBatch
 from tests.unit.dsa_probe import TopkProbe
+
+
+def _pending(core):
+    """The MLA intermediates handed over to ``core`` in the active micro-batch (left for it)."""
+    mla = micro_batch.take(core)
+    if mla is not None:
+        micro_batch.current().hand_over(core, mla)
+    return mla
 
 
 def _layer(mode, topk, **recompute):
@@ -46,7 +56,8 @@ def outputs_per_kernel_choice(choices, topk=6):
     res = {}
     for choice, layer in layers.items():
         xi = (x.double() if choice == "exact" else x).clone().requires_grad_()
-        out, _ = layer(xi, attention_mask=docs)
+        with MicroBatch(docs).active():
+            out, _ = layer(xi, attention_mask=docs)
         out.square().sum().backward()
         res[choice] = [out.detach(), xi.grad] + [p.grad for p in layer.parameters()]
     return res
@@ -58,13 +69,13 @@ def test_sparse_layer_equals_masked_per_head_reference(one_rank):
     captured = {}
     core = layer.core_attention
     core.register_forward_pre_hook(
-        lambda m, args: captured.update(q=args[0], k=args[1], v=args[2], latent=m.mla.kv_latent))
+        lambda m, args: captured.update(q=args[0], k=args[1], v=args[2], latent=_pending(m).kv_latent))
     # in fp64 (the torch path computes in the input's precision): this compares two formulas, so
     # their rounding (~1e-16) is far below any tolerance; the fused fp32 kernel's own error is
     # bounded against the torch path in test_dsa_cpu_kernel
     layer.double()
     x = torch.randn(40, 1, 64, dtype=torch.float64, requires_grad=True)
-    with TopkProbe(layer) as probe:
+    with TopkProbe(layer) as probe, MicroBatch().active():
         out, _ = layer(x, attention_mask=None)
 
     q, k, v = captured["q"], captured["k"], captured["v"]  # [s, b, n, d]
@@ -107,8 +118,10 @@ def test_sparse_layer_with_topk_at_least_length_equals_dense(one_rank):
     dense, sparse = _layer("dense", 64), _layer("sparse", 64)
     sparse.load_state_dict(dense.state_dict())
     x = torch.randn(33, 2, 64)
-    out_dense, _ = dense(x, attention_mask=None)
-    out_sparse, _ = sparse(x, attention_mask=None)
+    with MicroBatch().active():
+        out_dense, _ = dense(x, attention_mask=None)
+    with MicroBatch().active():
+        out_sparse, _ = sparse(x, attention_mask=None)
     assert torch.allclose(out_sparse, out_dense, rtol=1e-5, atol=1e-6)
 
 
@@ -126,7 +139,10 @@ def test_core_attention_recompute_uses_each_micro_batch_intermediates(one_rank, 
     grads = []
     for layer in (plain, recomputed):
         inputs = [x.clone().requires_grad_() for x in xs]
-        outs = [layer(x, attention_mask=None)[0] for x in inputs]
+        outs = []
+        for x in inputs:  # one micro-batch each, both backward after both forwards
+            with MicroBatch().active():
+                outs.append(layer(x, attention_mask=None)[0])
         for out in outs:
             out.square().sum().backward()
         grads.append([x.grad for x in inputs] + [p.grad for p in layer.parameters()])
@@ -145,11 +161,16 @@ def test_core_attention_takes_the_intermediates_once(one_rank):
     layer = _layer("sparse", topk=10)
     core = layer.core_attention
     seen = []
-    core.register_forward_pre_hook(lambda m, args: seen.append((m.mla, args)))
-    layer(torch.randn(40, 1, 64), attention_mask=None)
-    (mla, (q, k, v, _)), = seen
+    core.register_forward_pre_hook(lambda m, args: seen.append((_pending(m), args)))
+    with MicroBatch().active() as active:
+        layer(torch.randn(40, 1, 64), attention_mask=None)
+        assert active.take(core) is None  # the core attention took them
+        (mla, (q, k, v, _)), = seen
+        with pytest.raises(RuntimeError, match=r"layer 1, model.dsa.mode=sparse\) got no MLAIntermediates"):
+            core(q, k, v)  # twice
     assert isinstance(mla, MLAIntermediates) and mla.kv_latent.shape == (40, 1, 24)
     assert mla.kv_up_weight is layer.linear_kv_up_proj.weight and mla.kv_full is None
-    assert core.mla is None
     with pytest.raises(RuntimeError, match=r"layer 1, model.dsa.mode=sparse\) got no MLAIntermediates"):
-        core(q, k, v)
+        core(q, k, v)  # outside any micro-batch
+    with pytest.raises(RuntimeError, match=r"GLM5MLASelfAttention \(layer 1\) runs inside a micro-batch"):
+        layer(torch.randn(40, 1, 64), attention_mask=None)

@@ -28,20 +28,20 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 def test_install_refuses_another_megatron_core_version_naming_the_files(monkeypatch):
     from megatron.core import package_info
 
-    from parallel.megatron_compat import distrib_optimizer, mtp
+    from parallel.megatron_compat import distrib_optimizer, micro_batch, mtp
 
     monkeypatch.setattr(package_info, "__version__", "0.17.0")
     monkeypatch.setattr(fixes, "_INSTALLED", False)
     with pytest.raises(RuntimeError, match=r"written for megatron-core 0\.16\.1, found 0\.17\.0") as err:
         megatron_compat.install()
-    for patched in (fixes, distrib_optimizer, mtp):
+    for patched in (fixes, distrib_optimizer, mtp, micro_batch):
         assert patched.__file__ in str(err.value)
 
 
 def test_install_outside_the_cpu_emulation_installs_every_backend_fix():
     """What a GPU rank gets: ``megatron_compat.install()`` alone (a fresh interpreter in which the
-    CPU emulation is never installed) patches the distributed optimizer, MTP's rolls and the
-    checkpoint writer's queue."""
+    CPU emulation is never installed) patches the distributed optimizer, MTP's rolls, the
+    checkpoint writer's queue and the recomputations (under their micro-batch)."""
     probe = """
 import queue
 from megatron.core.dist_checkpointing.strategies import filesystem_async
@@ -50,6 +50,9 @@ from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.transformer import multi_token_prediction
 from parallel import megatron_compat
 from parallel.megatron_compat import cpu_emulation, mtp
+from megatron.core.extensions import transformer_engine
+from megatron.core.tensor_parallel.random import CheckpointFunction
+from megatron.core.transformer.attention import Attention
 assert filesystem_async._results_queue is None
 megatron_compat.install()
 assert not cpu_emulation.is_active()
@@ -61,6 +64,9 @@ assert names == ["load_state_dict_with_own_steps", "sharded_state_dict_with_stat
 assert gpt_model.roll_tensor is mtp.roll_with_sequence_count
 assert multi_token_prediction.roll_tensor is mtp.roll_within_documents
 assert type(filesystem_async._results_queue) is queue.Queue
+assert CheckpointFunction.forward.__name__ == "forward_in_micro_batch"
+assert Attention._checkpointed_attention_forward.__code__.co_name == "checkpointed_attention_forward"
+assert transformer_engine.te_checkpoint.__code__.co_name == "checkpoint_in_micro_batch"
 print("ok")
 """
     out = subprocess.run([sys.executable, "-W", "ignore", "-c", probe], cwd=REPO, capture_output=True,
@@ -300,7 +306,7 @@ def test_mtp_rolls_stop_at_document_boundaries(one_rank):
     tokens = torch.arange(1.0, 11.0).reshape(2, 5)
     crossing, _ = multi_token_prediction.roll_tensor(tokens, shifts=-1, dims=-1)
     assert crossing.tolist() == [[2, 3, 4, 5, 0], [7, 8, 9, 10, 0]]
-    with megatron_compat.document_boundaries(ids):
+    with megatron_compat.MicroBatch(ids).active():
         inside, _ = multi_token_prediction.roll_tensor(tokens, shifts=-1, dims=-1)
         _, count = multi_token_prediction.roll_tensor(torch.ones(2, 5), shifts=-1, dims=-1)
     assert inside.tolist() == [[2, 3, 0, 5, 0], [0, 8, 9, 0, 0]]
@@ -538,3 +544,98 @@ def test_entry_points_outside_install_refuse_another_megatron_core_version(monke
         with pytest.raises(RuntimeError, match="found 0.17.0") as err:
             call()
         assert module.__file__ in str(err.value)
+
+
+# --- micro_batch: the one per-micro-batch context ---------------------------------------------------
+
+
+def test_micro_batch_is_active_once_at_a_time_and_checks_its_hand_overs():
+    from parallel.megatron_compat.micro_batch import MicroBatch, current
+
+    first, second, receiver = MicroBatch(), MicroBatch(), torch.nn.Identity()
+    assert current() is None
+    with first.active():
+        assert current() is first
+        with first.active():  # re-entered (a recomputation inside the forward)
+            assert current() is first
+        with pytest.raises(RuntimeError, match="cannot become active inside"):
+            with second.active():
+                pass
+        assert current() is first
+        first.hand_over(receiver, 1)
+        with pytest.raises(RuntimeError, match="Identity has not taken its previous hand-over"):
+            first.hand_over(receiver, 2)
+        assert first.take(receiver) == 1 and first.take(receiver) is None
+        first.hand_over(receiver, 3)
+        with first.active():
+            pass  # an inner exit leaves the outer block's hand-over
+        assert first.take(receiver) == 3
+    assert current() is None
+    with pytest.raises(RuntimeError, match=r"ended with hand-overs nobody took: \['Identity'\]"):
+        with first.active():
+            first.hand_over(receiver, 4)
+    with pytest.raises(KeyError):  # a failing forward: its hand-overs go with it
+        with first.active():
+            first.hand_over(receiver, 5)
+            raise KeyError("forward failed")
+    assert current() is None and first.take(receiver) is None
+
+
+def test_model_forward_refuses_a_micro_batch_of_other_document_ids():
+    """GLM5Model.forward makes its micro-batch active for megatron's forward; the one the
+    training step passes must carry the ``attention_mask`` the model gets."""
+    from model_providers.glm5.model.provider import GLM5Model
+    from parallel.megatron_compat.micro_batch import MicroBatch
+
+    ids = torch.zeros(1, 4, dtype=torch.long)
+    with pytest.raises(ValueError, match=r"attention_mask is not the document ids of MicroBatch\(document_ids=None\)"):
+        GLM5Model.forward(None, ids, ids, ids, micro_batch=MicroBatch())
+    with pytest.raises(ValueError, match="attention_mask is not the document ids"):
+        GLM5Model.forward(None, ids, ids, ids.clone(), micro_batch=MicroBatch(ids))
+
+
+def test_recomputation_runs_under_the_micro_batch_of_its_forward(one_rank):
+    """megatron's checkpoint (full and selective recomputation) runs its function again in
+    backward, after other micro-batches' forwards (a pipeline schedule): each recomputation sees
+    the micro-batch its forward saw, and outside a micro-batch none."""
+    from megatron.core import tensor_parallel
+
+    from parallel.megatron_compat.micro_batch import MicroBatch, current
+
+    megatron_compat.install()
+    seen = []
+
+    def layer(x):
+        seen.append(current())
+        return x * 2
+
+    batches = [MicroBatch(), MicroBatch()]
+    outs = []
+    for mb in batches:
+        with mb.active():
+            outs.append(tensor_parallel.checkpoint(layer, False, torch.ones(3, requires_grad=True)))
+    outs.append(tensor_parallel.checkpoint(layer, False, torch.ones(3, requires_grad=True)))
+    assert seen == [*batches, None]
+    seen.clear()
+    for out in reversed(outs):  # backward in another order than the forwards
+        out.sum().backward()
+    assert seen == [None, batches[1], batches[0]]
+
+
+def test_te_checkpoint_runs_its_function_under_the_micro_batch_of_its_forward():
+    """Transformer Engine's checkpoint (megatron's choice under fp8) gets the same binding; a
+    stand-in that keeps the function for a later recomputation shows it."""
+    from parallel.megatron_compat.micro_batch import MicroBatch, bind_checkpoint, current
+
+    kept = []
+
+    def te_checkpoint(function, *args, **kwargs):
+        kept.append(function)
+        return function(*args, **kwargs)
+
+    bound = bind_checkpoint(te_checkpoint)
+    assert bind_checkpoint(bound) is bound
+    mb = MicroBatch()
+    with mb.active():
+        assert bound(lambda x, y=0: (current(), x + y), 1, y=2) == (mb, 3)
+    assert current() is None and kept[0](1)[0] is mb

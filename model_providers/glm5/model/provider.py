@@ -22,7 +22,8 @@ class GLM5Model(GPTModel):
     :class:`SharedMultiTokenPredictionBlock` (same state, a forward that applies that layer at
     every depth: ``megatron_compat.set_mtp_block_class``) so the parameters exist once. Its MTP
     losses are sequence means under context parallelism and stay inside packed documents
-    (``parallel.megatron_compat.mtp``).
+    (``parallel.megatron_compat.mtp``). Its forward runs under one micro-batch context
+    (``parallel.megatron_compat.micro_batch``).
     """
 
     def __init__(self, *args, **kwargs):
@@ -30,11 +31,18 @@ class GLM5Model(GPTModel):
         if self.mtp_process:
             megatron_compat.set_mtp_block_class(self, SharedMultiTokenPredictionBlock)
 
-    def forward(self, input_ids, position_ids, attention_mask, *args, **kwargs):
+    def forward(self, input_ids, position_ids, attention_mask, *args, micro_batch=None, **kwargs):
         """``attention_mask`` is None or the micro-batch's document ids [b, L] (see
-        ``dsa.layout``); MTP's shifts then stay inside documents
-        (``megatron_compat.document_boundaries``)."""
-        with megatron_compat.document_boundaries(attention_mask if self.mtp_process else None):
+        ``dsa.visibility``). ``micro_batch``: the ``megatron_compat.MicroBatch`` of this forward,
+        whose document ids ``attention_mask`` is (the training step's carries the data loader's
+        host copy); by default one is made here. It is the active one while megatron's forward
+        runs: the dense attention plans its document blocks from its host ids, MTP's shifts stay
+        inside its documents, the MLA hands the DSA core attention its intermediates through it."""
+        if micro_batch is None:
+            micro_batch = megatron_compat.MicroBatch(attention_mask)
+        elif micro_batch.document_ids is not attention_mask:
+            raise ValueError(f"attention_mask is not the document ids of {micro_batch!r}")
+        with micro_batch.active():
             return super().forward(input_ids, position_ids, attention_mask, *args, **kwargs)
 
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, fields
 
 import torch
 import torch.nn.functional as F
-from megatron.core import parallel_state, tensor_parallel
+from megatron.core import parallel_state
 from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler, save_to_aux_losses_tracker
@@ -29,6 +29,7 @@ from model_providers.glm5.model.dsa.visibility import TokenLayout
 from model_providers.glm5.model.dsa.sparse_attention import all_visible, sparse_latent_attention
 from model_providers.glm5.model.kv_up_projection import zero_padded
 from parallel.context_parallel import cp_size, gather_sequence, local_positions
+from parallel.megatron_compat import micro_batch
 from parallel.device import on_gpu
 
 KL_TRACKER = "indexer_kl"
@@ -48,17 +49,26 @@ class MLAIntermediates:
     kv_full: torch.Tensor | None  #: [L, b, kv_lora_rank] the CP-gathered kv latent; None without CP
 
     def tensors(self) -> tuple:
-        """The fields in order (as checkpoint inputs: autograd saves tensors, not this object)."""
+        """The fields in order (as checkpoint inputs: autograd saves tensors, not this object;
+        ``MLAIntermediates(*tensors)`` rebuilds it)."""
         return tuple(getattr(self, f.name) for f in fields(self))
 
 
 class GLM5MLASelfAttention(MLASelfAttention):
     """megatron's MLA that also hands the DSA core attention its :class:`MLAIntermediates`.
-    megatron calls the core attention with q, k, v and the mask only, so they go in the core's
-    ``mla`` attribute, set right before that call and taken by it. Under context parallelism it
-    returns local queries and full-sequence keys/values rebuilt from the all-gathered latent."""
+    megatron calls the core attention with q, k, v and the mask only, so they are handed over
+    through the micro-batch being computed (``megatron_compat.micro_batch``: taken once by the
+    core attention; megatron's selective recomputation of the core attention carries them as
+    checkpoint inputs). Under context parallelism it returns local queries and full-sequence
+    keys/values rebuilt from the all-gathered latent."""
 
     def get_query_key_value_tensors(self, hidden_states, *args, **kwargs):
+        active = micro_batch.current()
+        if active is None:
+            raise RuntimeError(
+                f"GLM5MLASelfAttention (layer {self.layer_number}) runs inside a micro-batch: "
+                "GLM5Model.forward makes one active; a layer called on its own needs "
+                "`with MicroBatch(document_ids).active():` (parallel.megatron_compat)")
         if not self.config.sequence_parallel:  # under SP the projection's input is a TP shard
             self.linear_kv_up_proj.rows = 1 if cp_size() > 1 else self._keys_read(hidden_states.shape[0])
         query, key, value, q_latent, kv_latent = super().get_query_key_value_tensors(
@@ -66,30 +76,9 @@ class GLM5MLASelfAttention(MLASelfAttention):
         kv_full = None
         if cp_size() > 1:
             key, value, kv_full = self._gathered_key_value(key, kv_latent)
-        self.core_attention.mla = MLAIntermediates(hidden_states, q_latent, kv_latent,
-                                                   self.linear_kv_up_proj.weight, kv_full)
+        active.hand_over(self.core_attention, MLAIntermediates(
+            hidden_states, q_latent, kv_latent, self.linear_kv_up_proj.weight, kv_full))
         return query, key, value, q_latent, kv_latent
-
-    def _checkpointed_attention_forward(self, query, key, value, attention_mask, rotary_pos_emb=None,
-                                        attn_mask_type=None, attention_bias=None,
-                                        packed_seq_params=None):
-        """megatron's selective recomputation of the core attention (``core_attn``) with the
-        intermediates as checkpoint inputs: the recomputation in backward, which may come after
-        other micro-batches' forwards, gets this forward's intermediates again and returns their
-        gradients."""
-        core = self.core_attention
-        mla, core.mla = core.mla, None
-        if mla is None:
-            raise RuntimeError(f"layer {self.layer_number}: no MLAIntermediates for the core attention "
-                               "(get_query_key_value_tensors did not run before it)")
-        mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
-
-        def run(query, key, value, attention_mask, *intermediates):
-            core.mla = MLAIntermediates(*intermediates)
-            return core(query, key, value, attention_mask, attn_mask_type=mask_type,
-                        attention_bias=attention_bias, packed_seq_params=packed_seq_params)
-
-        return tensor_parallel.checkpoint(run, False, query, key, value, attention_mask, *mla.tensors())
 
     def _keys_read(self, length: int) -> int | None:
         """How many leading tokens' per-head keys and values the core attention reads (None:
@@ -177,14 +166,13 @@ class DSACoreAttention(MegatronModule):
         self.layer_number = layer_number
         self.softmax_scale = softmax_scale
         self.indexer = LightningIndexer(config, dsa)
-        self.mla: MLAIntermediates | None = None  #: set by the MLA layer for the next forward
 
     def forward(self, query, key, value, attention_mask=None, attn_mask_type=None,
                 attention_bias=None, packed_seq_params=None, **unused):
         if packed_seq_params is not None:
             raise NotImplementedError("DSA takes packed documents as document ids in attention_mask, "
                                       "not megatron's THD packed_seq_params")
-        mla, self.mla = self.mla, None
+        mla = micro_batch.take(self)  # GLM5MLASelfAttention's, for this call
         s = query.shape[0]
         layout = TokenLayout.build(s, key.shape[0], _document_ids(attention_mask),
                                    local_positions(s), query.device)
@@ -194,7 +182,8 @@ class DSACoreAttention(MegatronModule):
         if mla is None:
             raise RuntimeError(
                 f"DSACoreAttention (layer {self.layer_number}, model.dsa.mode={mode}) got no "
-                "MLAIntermediates: it runs inside GLM5MLASelfAttention, which sets them")
+                "MLAIntermediates: it runs inside GLM5MLASelfAttention, which hands them over "
+                "through the micro-batch being computed")
         iq, ik, iw = self._indexer_inputs(mla, layout)
         tp_group = parallel_state.get_tensor_model_parallel_group()
         if mode == "warmup":

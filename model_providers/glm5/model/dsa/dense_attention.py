@@ -11,10 +11,10 @@ the bottom right). The blocks run under one autograd function that saves only it
 recomputes each block in backward, so neither masks nor per-block copies outlive the forward.
 
 Where documents split differently per sample, each sample gets its own blocks. Key ranges need
-the document boundaries on the host: the training step hands over the data loader's host copy
-(:func:`remember_host_document_ids`, no sync); otherwise one device -> host copy per micro-batch
-(kept for the layers that follow, see :func:`_host_document_ids`). Without documents the plan
-comes from the host query positions alone.
+the document boundaries on the host: the micro-batch being computed holds them
+(``megatron_compat.micro_batch.MicroBatch.host_document_ids``: the data loader's host copy in
+the training step, no sync; otherwise one device -> host copy per micro-batch, kept for the
+layers that follow). Without documents the plan comes from the host query positions alone.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 from model_providers.glm5.model.dsa.visibility import TokenLayout
+from parallel.megatron_compat import micro_batch
 
 BLOCK_ROWS = 1024  #: query rows per SDPA call; its transient mask is block_rows x key range
 #: backward recomputes a block for as many heads at a time as keep its key/value gradients (and
@@ -64,7 +65,7 @@ def block_plan(layout: TokenLayout, batch: int, block_rows: int = BLOCK_ROWS) ->
     pos = layout.q_pos.cpu() if layout.q_pos_host is None else layout.q_pos_host
     if layout.doc_q is None:
         return _sample_blocks(pos, None, slice(0, batch), block_rows)
-    docs_k = _host_document_ids(layout.doc_k)
+    docs_k = micro_batch.host_document_ids(layout.doc_k)
     if docs_k.shape[0] == 1 or bool((docs_k == docs_k[:1]).all()):
         return _sample_blocks(pos, docs_k[0], slice(0, batch), block_rows)
     return [blk for i in range(batch) for blk in _sample_blocks(pos, docs_k[i], slice(i, i + 1),
@@ -98,35 +99,6 @@ def _sample_blocks(pos: torch.Tensor, doc_k: Optional[torch.Tensor], batch: slic
             mixed = doc_k is not None and not bool((doc_k[lo:hi] == doc_k[p0]).all())
             blocks.append(Block(batch, slice(b0, b1), slice(lo, hi), p0 == lo and not mixed, mixed))
     return blocks
-
-
-_host_docs: list = []  #: [(device document ids, their _version, host copy)], the latest few
-
-
-def remember_host_document_ids(device_ids: torch.Tensor, host_ids: torch.Tensor) -> None:
-    """Tell the dense path the host copy of a micro-batch's document ids it is about to see on
-    the device (the data loader had them on the host): the block plan then needs no sync."""
-    _host_docs.insert(0, (device_ids, device_ids._version, host_ids))
-    del _host_docs[4:]
-
-
-def _host_document_ids(doc_k: torch.Tensor) -> torch.Tensor:
-    """Host copy of the document ids [b, L]. Every layer of a micro-batch gets the same device
-    tensor (or views, leading-key slices such as the sparse mode's prefix, and detached aliases
-    of it), so the copy -- a device sync -- is made once: an entry matches a tensor over the same
-    memory and strides with the same rows and at most its keys, unmodified since. Entries hold
-    their tensor, so their memory cannot be reused by another batch's ids meanwhile."""
-    key = (doc_k.untyped_storage().data_ptr(), doc_k.storage_offset(), doc_k.stride(),
-           doc_k.dtype, doc_k.device, doc_k.shape[0])
-    for held, version, host in _host_docs:
-        if (held._version == version and doc_k.shape[1] <= held.shape[1]
-                and key == (held.untyped_storage().data_ptr(), held.storage_offset(),
-                            held.stride(), held.dtype, held.device, held.shape[0])):
-            return host if doc_k.shape[1] == host.shape[1] else host[:, :doc_k.shape[1]]
-    host = doc_k.cpu()
-    _host_docs.insert(0, (doc_k, doc_k._version, host))
-    del _host_docs[4:]
-    return host
 
 
 def _attend(q, k, v, layout: TokenLayout, blk: Block, scale: float) -> torch.Tensor:
