@@ -22,7 +22,10 @@ megatron's block, layer and attention forwards, so this module is the one docume
 where it is ambient. Recomputation runs in backward, possibly after other micro-batches'
 forwards (pipeline schedules): :func:`install` makes megatron's checkpoint functions (its own
 ``CheckpointFunction``, used by full and selective recomputation, and Transformer Engine's
-``te_checkpoint``) run their function again under the micro-batch their forward ran under.
+``te_checkpoint``) run their function again under the micro-batch their forward ran under, and
+megatron's selective recomputation of the core attention carry the hand-over to it as checkpoint
+inputs. Layers called without ``GLM5Model`` (unit tests, benchmarks, megatron's stock
+``GPTModel`` over this project's layer specs) run inside ``with MicroBatch(ids).active():``.
 
 Checks: a model forward's ``attention_mask`` must be its micro-batch's document ids; the ids a
 module asks the host copy for must be that tensor (or a detached alias or leading-key slice of
