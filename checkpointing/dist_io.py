@@ -231,6 +231,53 @@ def stored_dtypes(ckpt_dir: str) -> dict[str, torch.dtype]:
             if hasattr(md, "properties")}
 
 
+def global_shapes(sharded_sd: dict) -> dict[str, tuple]:
+    """Global shape of every tensor key of a model's ``sharded_state_dict()`` -- what a dist
+    checkpoint's metadata records for it -- in model order, without touching data: a factory
+    (the SwiGLU split of ``linear_fc1``) is built on its own tensor, which may be on ``meta``."""
+    out: dict[str, tuple] = {}
+    for v in sharded_sd.values():
+        if isinstance(v, ShardedTensorFactory):
+            built = v.build_fn(v.key, v.data, v.replica_id, getattr(v, "flattened_range", None))
+            parts = list(built.values()) if isinstance(built, dict) else list(built)
+        else:
+            parts = [v]
+        for sh in parts:
+            if isinstance(sh, ShardedTensor):
+                out.setdefault(sh.key, tuple(sh.global_shape))
+    return out
+
+
+def shape_mismatch(ckpt_dir: str, expected: dict[str, tuple]) -> Optional[str]:
+    """The first tensor of ``expected`` (checkpoint key in local-backend naming -> global shape,
+    :func:`global_shapes`) that the checkpoint stores with another shape or not at all, as a
+    sentence; None when all of them fit. Read from the DCP metadata alone (no tensor, no process
+    group); a checkpoint in Transformer Engine naming is compared through ``backend_keys``.
+    Tensors only the checkpoint holds are fine: megatron loads what the model asks for."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from checkpointing import backend_keys
+
+    try:
+        meta = FileSystemReader(ckpt_dir).read_metadata().state_dict_metadata
+    except Exception as e:  # torch raises whatever its unpickling hits
+        return f"{os.path.join(ckpt_dir, '.metadata')} is missing or unreadable ({type(e).__name__}: {e})"
+    stored: dict[str, tuple] = {}
+    for key, md in meta.items():
+        local = backend_keys.te_to_local(key) if hasattr(md, "size") else None  # not a ShardedObject
+        if local is not None:
+            stored.setdefault(local, tuple(md.size))
+    bad = [(k, stored.get(k), tuple(shape)) for k, shape in expected.items() if stored.get(k) != tuple(shape)]
+    if not bad:
+        return None
+    key, have, want = bad[0]
+    more = f" ({len(bad)} of the model's {len(expected)} tensors differ)" if len(bad) > 1 else ""
+    if have is None:
+        return f"{ckpt_dir} has no {key}, which the configured model has with shape {want}{more}"
+    return (f"{key} has shape {have} in {ckpt_dir} but {want} in the configured model{more}; "
+            f"model.* must describe the checkpoint's model")
+
+
 def load_tensors(ckpt_dir: str, sharded_sd: dict, names: list[str], dtypes: dict) -> dict:
     """Read megatron tensors ``names`` (1-rank state-dict names, from a meta-device model's
     ``sharded_state_dict()``) into fresh CPU tensors of their stored dtype."""

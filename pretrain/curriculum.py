@@ -103,6 +103,10 @@ def _or(value, run_value):
     return run_value if value is None else value
 
 
+def _positive(x: float) -> bool:
+    return math.isfinite(x) and x > 0
+
+
 def _stage_steps(s: StageConfig, rc, where: str, problems: list) -> int:
     if s.tokens is not None and s.steps is not None:
         problems.append(f"{where}: set one of tokens ({s.tokens}) and steps ({s.steps}), not both")
@@ -154,7 +158,7 @@ def _apply(rc, s: StageConfig, steps: int, where: str, problems: list):
     opt.lr, opt.min_lr = _or(s.lr.peak, opt.lr), _or(s.lr.end, opt.min_lr)
     muon = opt.muon
     if muon.lr is not None:  # a separate Muon LR keeps its ratio to the stage's schedule
-        ratio = muon.lr / rc.optimizer.lr
+        ratio = muon.lr / rc.optimizer.lr if _positive(rc.optimizer.lr) else 1.0  # else: plan() reports it
         muon.lr, muon.min_lr = opt.lr * ratio, opt.min_lr * ratio
     else:
         muon.min_lr = None
@@ -198,9 +202,13 @@ def _check_stage(s: StageConfig, st: Stage, where: str) -> list:
         p.append(f"{where}.optimizer_state={s.optimizer_state!r} must be one of {list(OPTIMIZER_STATES)}")
     if sch.style not in LR_STYLES:
         p.append(f"{name('lr.style', 'scheduler.style')}={sch.style!r} must be one of {list(LR_STYLES)}")
-    if opt.lr <= 0:
+    lrs = {name('lr.peak', 'optimizer.lr'): opt.lr, name('lr.end', 'optimizer.min_lr'): opt.min_lr,
+           name('lr.init', 'scheduler.init_lr'): sch.init_lr}
+    non_finite = [f"{n}={v} must be a finite number" for n, v in lrs.items() if not math.isfinite(v)]
+    p += non_finite
+    if math.isfinite(opt.lr) and opt.lr <= 0:
         p.append(f"{name('lr.peak', 'optimizer.lr')}={opt.lr} must be > 0")
-    if opt.min_lr < 0 or sch.init_lr < 0:
+    if not non_finite and (opt.min_lr < 0 or sch.init_lr < 0):
         p.append(f"{name('lr.end', 'optimizer.min_lr')}={opt.min_lr} and "
                  f"{name('lr.init', 'scheduler.init_lr')}={sch.init_lr} must be >= 0")
     if sch.warmup_steps < 0 or (st.steps and sch.warmup_steps >= st.steps):  # megatron asserts it
@@ -232,6 +240,10 @@ def plan(rc) -> tuple[List[Stage], List[str]]:
         return [Stage(0, IMPLICIT_STAGE, rc.trainer.steps, rc, "carry", [], 0,
                       rc.trainer.steps * rc.trainer.global_batch_size)], []
     problems, stages = [], []
+    m = rc.optimizer.muon
+    if rc.optimizer.name == "muon" and m.lr is not None and not _positive(rc.optimizer.lr):
+        problems.append(f"optimizer.lr={rc.optimizer.lr} must be a finite number > 0: each stage's "
+                        f"optimizer.muon.lr keeps its ratio to it (optimizer.muon.lr={m.lr})")
     for i, s in enumerate(cur.stages):
         where = f"curriculum.stages[{i}] ({s.name})"
         steps = _stage_steps(s, rc, where, problems)

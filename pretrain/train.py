@@ -1,6 +1,7 @@
 """``python -m pretrain.train [hydra overrides]``: one training run (a curriculum of stages).
 
-Validates every stage's config before any process group exists, starts torch.distributed
+Validates every stage's config before any process group exists (and before megatron-core is
+imported: bad input is one ``error:`` line, exit status 1, in seconds), starts torch.distributed
 (torchrun or Slurm variables; gloo on CPU), finds where the run stands from its latest
 checkpoint, runs the remaining stages (pretrain.stage) and prints a one-line JSON summary as the
 last stdout line.
@@ -24,7 +25,7 @@ from pretrain.reliability import faults
 
 from pretrain.reporting import jsonl
 from pretrain.config.schema import CONF_DIR, RunConfig, compose, register, to_run_config
-from pretrain.reliability.run_lock import RunDirLock
+from pretrain.reliability.run_lock import RunDirLock, RunDirLocked
 from pretrain.config.validation import ConfigError, override_notes, plan_run
 
 register()
@@ -97,10 +98,17 @@ def run(rc: RunConfig, config_yaml: str, changes=()) -> dict:
     from pretrain.reporting import logs
     routing = logs.route(rc.logger.verbose)  # first: megatron logs and warns as it is imported
     started = time.time()
+    from parallel.initialize import dist_env, start_process_group
+
+    env = dist_env()
+    routing.rank = env.rank  # ranks > 0 keep our lines off the console from the start
+    stages = plan_run(rc, env.world_size, changes)  # before megatron's imports: bad input fails fast
+    if env.rank == 0:
+        for note in override_notes(rc, stages, changes):
+            print(f"note: {note}", file=sys.stderr, flush=True)
     from megatron.core import parallel_state
 
     from model_providers.glm5.model.specs import resolve_backend
-    from parallel.initialize import dist_env, start_process_group
     from parallel.megatron_compat import release_cached_modules
     from checkpointing import state as checkpoint
     from pretrain.curriculum import where_to_begin
@@ -108,12 +116,6 @@ def run(rc: RunConfig, config_yaml: str, changes=()) -> dict:
     from pretrain.reporting.plots import plot_curriculum
     from pretrain.stage import RunContext, run_stage
 
-    env = dist_env()
-    routing.rank = env.rank  # ranks > 0 keep our lines off the console from the start
-    stages = plan_run(rc, env.world_size, changes)
-    if env.rank == 0:
-        for note in override_notes(rc, stages, changes):
-            print(f"note: {note}", file=sys.stderr, flush=True)
     preemption = faults.PreemptionSignal()  # USR1/SIGTERM -> save after the current step, exit
     backend = resolve_backend(rc.model.layer_backend)
     start_process_group(env, cpu_emulation_mode=rc.parallel.cpu_emulation)
@@ -194,15 +196,33 @@ def run(rc: RunConfig, config_yaml: str, changes=()) -> dict:
     return summary
 
 
+def _omegaconf_problem(e: Exception) -> str:
+    """An OmegaConf error's first line, and the field (``full_key``) when that line lacks it."""
+    first = str(e).splitlines()[0] if str(e) else type(e).__name__
+    key = getattr(e, "full_key", None)
+    return f"{first} ({key})" if key and key not in first else first
+
+
 @hydra.main(version_base=None, config_path="../conf", config_name="config")
 def main(cfg: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
+    from omegaconf.errors import OmegaConfBaseException
 
     from pretrain.config.overrides import changed_fields
 
-    rc = to_run_config(cfg)
-    changes = changed_fields(list(HydraConfig.get().overrides.task), compose, CONF_DIR, full=cfg)
-    summary = run(rc, OmegaConf.to_yaml(cfg, resolve=True), changes)
+    try:
+        try:
+            rc = to_run_config(cfg)  # a key forced in with +group.key=..., a bad interpolation
+            config_yaml = OmegaConf.to_yaml(cfg, resolve=True)
+        except OmegaConfBaseException as e:
+            raise ConfigError("invalid config", [_omegaconf_problem(e)]) from None
+        changes = changed_fields(list(HydraConfig.get().overrides.task), compose, CONF_DIR, full=cfg)
+        summary = run(rc, config_yaml, changes)
+    except (ConfigError, RunDirLocked) as e:
+        # bad input, not a bug: one line naming the field and value (a list when there are
+        # several), exit status 1 and no traceback (Hydra prints one for any exception; it
+        # lets SystemExit by)
+        raise SystemExit(f"error: {e.brief() if isinstance(e, ConfigError) else e}") from None
     if int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", 0))) == 0:
         print(json.dumps(summary), flush=True)
     if summary["preempted"]:

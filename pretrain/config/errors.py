@@ -12,5 +12,9 @@ class ConfigError(ValueError):
     """The run cannot work as configured; ``problems`` lists each reason (naming fields, values)."""
 
     def __init__(self, title: str, problems: list[str]):
-        self.problems = list(problems)
+        self.title, self.problems = title, list(problems)
         super().__init__(f"{title}:\n  - " + "\n  - ".join(self.problems))
+
+    def brief(self) -> str:
+        """One line when there is one problem (``title: problem``), else the list."""
+        return f"{self.title}: {self.problems[0]}" if len(self.problems) == 1 else str(self)

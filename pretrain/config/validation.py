@@ -1,8 +1,9 @@
 """Every check of a run's config, for every curriculum stage, before any process group exists.
 
-Each check (model, parallel layout, schedule, data, faults, curriculum, command-line overrides)
-returns a list of problems naming fields and values; :func:`plan_run` gathers them, prefixes
-each stage's with its name, and raises one :class:`~pretrain.config.errors.ConfigError` listing all.
+Each check (model, parallel layout, schedule, data, faults, curriculum, command-line overrides,
+the run dir, ``checkpoint.init_from``'s tensor shapes) returns a list of problems naming fields
+and values; :func:`plan_run` gathers them, prefixes each stage's with its name, and raises one
+:class:`~pretrain.config.errors.ConfigError` listing all.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from pretrain.reliability import faults
 from pretrain.config.schema import RunConfig
 from pretrain.config.errors import ConfigError
 from pretrain.config.overrides import Change, reach
+from pretrain.reliability.run_lock import check_run_dir
 
 __all__ = ["ConfigError", "check_run", "plan_run", "override_notes"]
 
@@ -93,14 +95,62 @@ def plan_run(rc: RunConfig, world_size: int, changes: Sequence[Change] = (), che
             label = "stage" if len(names) == 1 else "stages"
             problems.append(f"{label} {', '.join(repr(n) for n in names)}: {p}")
     problems += faults.check(rc.faults)
+    problems += check_run_dir(rc.trainer.run_dir, on_this_host=check_paths)
+    source = None
     if rc.checkpoint.init_from:
         from checkpointing.state import resolve_init_from
 
-        problems += [why for why in resolve_init_from(rc.checkpoint.init_from)[1:] if why]
+        source, why = resolve_init_from(rc.checkpoint.init_from)
+        problems += [why] if why else []
     problems += reach(rc.curriculum.stages, [st.steps for st in stages], list(changes), rc.parallel.stages)[0]
+    if source and not problems:  # the model builds (on meta) only from a config that validates
+        from pretrain.curriculum import where_to_begin
+
+        problems += init_from_shapes(stages[where_to_begin(stages, rc.curriculum, None).stage].rc, source)
     if problems:
         raise ConfigError("invalid run config" if implicit else "invalid curriculum", problems)
     return stages
+
+
+def checkpoint_shapes(rc: RunConfig) -> dict[str, tuple]:
+    """Global shape of every tensor the model of ``rc`` (one stage's run config) stores in a
+    megatron dist checkpoint, by key (local-backend names), in model order: from the 1-rank model
+    built on ``meta`` under stand-in parallel state (no memory, no process group, so a 744B
+    config on a login node too, and the run's own initialisation later is untouched). A dist
+    checkpoint is global -- its keys and shapes are the same at any TP/PP/EP layout -- except the
+    padded vocabulary (a multiple of ``make_vocab_size_divisible_by * tp``), sized here for
+    ``rc.parallel.tp``."""
+    import dataclasses
+
+    import torch
+
+    from checkpointing.dist_io import global_shapes
+    from model_providers.glm5.model.config import to_transformer_config
+    from model_providers.glm5.model.provider import build_model_chunks
+    from parallel.config import ParallelConfig
+    from parallel.megatron_compat.meta_rank import rank_position
+
+    m = rc.model
+    model = dataclasses.replace(m, make_vocab_size_divisible_by=m.make_vocab_size_divisible_by * rc.parallel.tp)
+    ep = m.num_experts or 1  # one local expert per layer: the expert axis is global all the same
+    tcfg = to_transformer_config(model, ParallelConfig(ep=ep), rc.precision)
+    tcfg.use_cpu_initialization, tcfg.perform_initialization = True, False  # follow meta, no init
+    tcfg.moe_grouped_gemm = False  # the local spec (Transformer Engine allocates on the GPU)
+    with rank_position(tp=1, pp=1, cp=1, dp=ep, ep=ep, expert_tp=1, expert_dp=1, world_size=ep):
+        with torch.device("meta"):
+            (chunk,) = build_model_chunks(model, tcfg, "local")
+        return global_shapes(chunk.sharded_state_dict())
+
+
+def init_from_shapes(rc: RunConfig, source: str) -> list[str]:
+    """``checkpoint.init_from`` (resolved to the checkpoint folder ``source``) holds every tensor
+    of the model ``rc`` configures, each with its shape, read from the checkpoint's metadata:
+    a checkpoint of another model is refused here, before the run dir exists, rather than by
+    megatron's load after the banner."""
+    from checkpointing.dist_io import shape_mismatch
+
+    why = shape_mismatch(source, checkpoint_shapes(rc))
+    return [f"checkpoint.init_from={rc.checkpoint.init_from}: {why}"] if why else []
 
 
 def override_notes(rc: RunConfig, stages: list, changes: Sequence[Change]) -> list[str]:

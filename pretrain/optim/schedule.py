@@ -1,19 +1,28 @@
-"""LR schedule (megatron-core's OptimizerParamScheduler) and the optimizer/schedule config checks."""
+"""LR schedule (megatron-core's OptimizerParamScheduler) and the optimizer/schedule config checks
+(these without importing megatron-core: validation runs before it is imported)."""
 
 from __future__ import annotations
 
-from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+import math
 
 from pretrain.config.schema import OptimizerConfig, SchedulerConfig
-from pretrain.optim.matrices import SPLITS
 from pretrain.optim.newton_schulz import NS_DTYPES, SCALES
 
 _STYLES = ("cosine", "wsd", "linear", "constant")
 _OPTIMIZERS = ("adam", "muon")
 
 
+def non_finite(values: dict) -> list[str]:
+    """A problem for each NaN / inf among ``values`` (field name -> value; None is skipped): a
+    range check on such a value would blame its neighbour (``min_lr <= nan`` is false)."""
+    return [f"{name}={v} must be a finite number" for name, v in values.items()
+            if v is not None and not math.isfinite(v)]
+
+
 def check_muon(opt: OptimizerConfig) -> list[str]:
     """Problems with optimizer.muon (only looked at when optimizer.name=muon)."""
+    from pretrain.optim.matrices import SPLITS  # megatron-core: imported for Muon runs only
+
     m = opt.muon
     p = []
     if m.split not in SPLITS:
@@ -26,9 +35,11 @@ def check_muon(opt: OptimizerConfig) -> list[str]:
         p.append(f"optimizer.muon.momentum={m.momentum} must be in [0, 1)")
     if not 1 <= m.ns_steps < 100:
         p.append(f"optimizer.muon.ns_steps={m.ns_steps} must be in [1, 99]")
+    own = non_finite({"optimizer.muon.lr": m.lr, "optimizer.muon.min_lr": m.min_lr})
+    p += own
     lr = opt.lr if m.lr is None else m.lr
     min_lr = opt.min_lr if m.min_lr is None else m.min_lr
-    if not 0 <= min_lr <= lr:
+    if not own and math.isfinite(lr) and math.isfinite(min_lr) and not 0 <= min_lr <= lr:
         p.append(f"optimizer.muon.min_lr={min_lr} must be in [0, optimizer.muon.lr={lr}]")
     if m.weight_decay is not None and m.weight_decay < 0:
         p.append(f"optimizer.muon.weight_decay={m.weight_decay} must be >= 0")
@@ -44,7 +55,10 @@ def check_schedule(sched: SchedulerConfig, opt: OptimizerConfig, steps: int) -> 
         p += check_muon(opt)
     if sched.style not in _STYLES:
         p.append(f"scheduler.style={sched.style!r} must be one of {', '.join(_STYLES)}")
-    if not 0 <= opt.min_lr <= opt.lr:
+    lrs = non_finite({"optimizer.lr": opt.lr, "optimizer.min_lr": opt.min_lr,
+                      "scheduler.init_lr": sched.init_lr})
+    p += lrs
+    if not lrs and not 0 <= opt.min_lr <= opt.lr:
         p.append(f"optimizer.min_lr={opt.min_lr} must be in [0, optimizer.lr={opt.lr}]")
     if sched.warmup_steps < 0:
         p.append(f"scheduler.warmup_steps={sched.warmup_steps} must be >= 0")
@@ -57,6 +71,8 @@ def check_schedule(sched: SchedulerConfig, opt: OptimizerConfig, steps: int) -> 
 
 
 def build_scheduler(optimizer, opt: OptimizerConfig, sched: SchedulerConfig, steps: int):
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
     decay = sched.decay_steps or max(steps, sched.warmup_steps + 1)
     style = sched.style
     wsd_decay = None

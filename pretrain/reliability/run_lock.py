@@ -32,6 +32,35 @@ class RunDirLocked(RuntimeError):
     """Another live run holds the run dir."""
 
 
+def check_run_dir(run_dir: str, on_this_host: bool = True) -> list[str]:
+    """Problems with ``trainer.run_dir`` as the folder a run fills (``checkpoints/``, ``logs/``,
+    ``metrics.jsonl``, ``config.yaml``, ``run.lock``), found before anything is written: empty,
+    or (``on_this_host``: the planner checks elsewhere) the current directory or one above it,
+    an existing file, or a path that cannot be created (under a file, not writable)."""
+    field = f"trainer.run_dir={run_dir!r}"
+    if not run_dir.strip():
+        return [f"{field} is empty: a run needs a folder of its own (the default is runs/${{trainer.name}})"]
+    if not on_this_host:
+        return []
+    path, cwd = os.path.realpath(run_dir), os.path.realpath(os.getcwd())
+    if path == cwd:
+        return [f"{field} is the current directory {cwd}: a run needs a folder of its own "
+                f"(e.g. runs/<name>)"]
+    if os.path.commonpath([path, cwd]) == path:
+        return [f"{field} is {path}, which holds the current directory {cwd}: a run needs a "
+                f"folder of its own (e.g. runs/<name>)"]
+    if os.path.exists(path) and not os.path.isdir(path):
+        return [f"{field}: {path} exists and is not a folder"]
+    existing = path
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        return [f"{field}: {path} cannot be created, {existing} is a file"]
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return [f"{field}: {existing} is not writable"]
+    return []
+
+
 def _me() -> dict:
     return {"host": socket.gethostname(), "pid": os.getpid(),
             "slurm_job_id": os.environ.get("SLURM_JOB_ID"), "started": time.time()}
