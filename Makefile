@@ -20,9 +20,11 @@ run: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider $(ARGS)
 
-# the one-process tests only (config, model, kernels, data): a first check in a few minutes
+# the one-process tests that launch nothing heavy (config, model, kernels, data): a first check in
+# a few minutes; `make test` runs these and the heavy ones (subprocess runs, Triton interpreter,
+# the fused kernel's other vector width, multi-rank, end-to-end)
 test-quick: $(STAMP)
-	$(PY) -m pytest -q -p no:cacheprovider tests/unit $(ARGS)
+	$(PY) -m pytest -q -p no:cacheprovider tests/unit -m "not heavy" $(ARGS)
 
 bench: $(STAMP)
 	$(PY) benchmarks/throughput.py

@@ -94,6 +94,7 @@ def plan_run(rc: RunConfig, world_size: int, changes: Sequence[Change] = (), che
         else:
             label = "stage" if len(names) == 1 else "stages"
             problems.append(f"{label} {', '.join(repr(n) for n in names)}: {p}")
+    of_stages = len(problems)
     problems += faults.check(rc.faults)
     problems += check_run_dir(rc.trainer.run_dir, on_this_host=check_paths)
     source = None
@@ -107,8 +108,8 @@ def plan_run(rc: RunConfig, world_size: int, changes: Sequence[Change] = (), che
         from pretrain.curriculum import where_to_begin
 
         problems += init_from_shapes(stages[where_to_begin(stages, rc.curriculum, None).stage].rc, source)
-    if problems:
-        raise ConfigError("invalid run config" if implicit else "invalid curriculum", problems)
+    if problems:  # the title names the curriculum only when its stages have a problem
+        raise ConfigError("invalid curriculum" if of_stages and not implicit else "invalid run config", problems)
     return stages
 
 

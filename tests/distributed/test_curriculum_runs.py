@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from tests.launch import kill_after_checkpoint, read_metrics, run_train
+from tests.support.launch import kill_after_checkpoint, read_metrics, run_train
 
 TIMING = ("step_time_s", "tokens_per_s", "tflops_per_s")
 

@@ -13,8 +13,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from omegaconf import OmegaConf
 
-from tests.launch import read_metrics, run_train
-from tests.unit.data_support import corpus_cfg, tokenizer_path, write_jsonl
+from tests.support.launch import read_metrics, run_train
+from tests.support.data import corpus_cfg, tokenizer_path, write_jsonl
 
 
 def _worker(rank: int, world: int, init_file: str, good: dict, bad: dict, run_dir: str, results):

@@ -5,7 +5,7 @@ indexer (everything else bit-identical, the KL falls) and sparse training change
 import pytest
 import torch
 
-from tests.launch import checkpoint_tensors, read_metrics, run_train
+from tests.support.launch import checkpoint_tensors, read_metrics, run_train
 
 INDEXER = ".indexer."
 

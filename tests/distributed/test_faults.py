@@ -1,6 +1,6 @@
 """Fault tolerance in real training runs (tiny GLM-5, fp32, one process):
 
-- a step whose loss is NaN (injected from outside by :mod:`tests.distributed.nan_injection`) is
+- a step whose loss is NaN (injected from outside by :mod:`tests.support.nan_injection`) is
   skipped and logged: nothing is applied (weights and Adam state after it are bit-identical to
   before it), the LR schedule does not advance, training goes on;
 - N bad steps in a row reload the last checkpoint: the state saved right after the reload is
@@ -15,8 +15,8 @@ import subprocess
 import pytest
 import torch
 
-from tests.distributed import nan_injection
-from tests.launch import QUIET, REPO, checkpoint_tensors, read_metrics, train_command, train_env
+from tests.support import nan_injection
+from tests.support.launch import QUIET, REPO, checkpoint_tensors, read_metrics, train_command, train_env
 
 COMMON = ["trainer.global_batch_size=8", "trainer.micro_batch_size=4", "trainer.seq_length=64",
           "checkpoint.keep_last=0", "logger.progress_bar=false"]

@@ -17,9 +17,8 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from tests.launch import REPO, checkpoint_tensors, free_port, run_train, train_env
-from tests.unit import hf_support as hs
-
+from tests.support.launch import REPO, checkpoint_tensors, free_port, run_train, train_env
+from tests.support import hf as hs
 REL_LAYOUT = 1e-5  #: between our layouts (fp32; only reduction order differs)
 REL_HF = 1e-4  #: ours vs transformers
 

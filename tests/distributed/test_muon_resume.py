@@ -6,7 +6,7 @@ final weights and optimizer state), on one rank and with the distributed optimiz
 import pytest
 import torch
 
-from tests.launch import assert_resumed_equals_straight, kill_after_checkpoint, run_train
+from tests.support.launch import assert_resumed_equals_straight, kill_after_checkpoint, run_train
 
 STEPS = 6
 COMMON = [f"trainer.steps={STEPS}", "trainer.global_batch_size=8", "trainer.micro_batch_size=4",

@@ -1,5 +1,5 @@
 """The planner's activation estimate (``planner.activations``) against the peak activation
-memory measured by tracking tensor allocations (``tests.distributed.activation_probe``) during one
+memory measured by tracking tensor allocations (``tests.support.activation_probe``) during one
 training step of the tiny model: sequence 512 and 2048, dense and sparse DSA, recompute none /
 selective / full, on 1 rank and on TP2 (+SP) / PP2 (1F1B, 2 micro-batches) / CP2 -- every rank
 of every case within 15%.
@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from tests.launch import REPO, train_env
+from tests.support.launch import REPO, train_env
 
 TOLERANCE = 0.15
 BASE = ["curriculum=none", "logger.wandb.mode=disabled", "trainer.micro_batch_size=1"]
@@ -35,7 +35,7 @@ CASES = [f"trainer.seq_length={seq} model.dsa.mode={mode} model.recompute={recom
 def _start(nproc: int, cases: list[str], out, log) -> subprocess.Popen:
     from parallel.initialize import free_port
 
-    probe = ["-m", "tests.distributed.activation_probe", str(out), " ".join(BASE), *cases]
+    probe = ["-m", "tests.support.activation_probe", str(out), " ".join(BASE), *cases]
     cmd = [sys.executable, *probe] if nproc == 1 else [
         sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
         f"--master-port={free_port()}", *probe]
@@ -71,7 +71,7 @@ def _estimate(case: str, world: int, pp_rank: int, cp_rank: int):
     from model_providers.glm5.model.specs import resolve_backend
     from planner.activations import activation_bytes
     from pretrain.config.validation import check_run
-    from tests.distributed.activation_probe import case_configs
+    from tests.support.activation_probe import case_configs
 
     rc = case_configs(BASE, [case])[0]
     layout, problems = check_run(rc, world, check_paths=False)

@@ -4,7 +4,7 @@ gradient norms as without it."""
 
 import pytest
 
-from tests.launch import read_metrics, run_train
+from tests.support.launch import read_metrics, run_train
 
 COMMON = ["trainer.steps=3", "trainer.seq_length=128", "trainer.global_batch_size=4",
           "trainer.micro_batch_size=2", "model.dsa.mode=sparse", "model.dsa.topk=16",

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from tests.launch import REPO, free_port, quiet, train_env
+from tests.support.launch import REPO, free_port, quiet, train_env
 
 STAGES = """
 stages:
@@ -33,7 +33,7 @@ def probes(tmp_path_factory):
     (root / "conf" / "curriculum" / "four.yaml").write_text(STAGES)
     run_dir = root / "run"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
-           f"--master-port={free_port()}", "-m", "tests.distributed.stage_probe", *quiet(["curriculum=four"]),
+           f"--master-port={free_port()}", "-m", "tests.support.stage_probe", *quiet(["curriculum=four"]),
            f"hydra.searchpath=[file://{root / 'conf'}]", "curriculum=four",
            f"trainer.run_dir={run_dir}", "checkpoint.save_at_end=false"]
     proc = subprocess.run(cmd, cwd=REPO, env=train_env(2), capture_output=True, text=True, timeout=600)

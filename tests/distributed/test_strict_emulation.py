@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from tests.launch import QUIET, REPO, read_metrics, run_train, train_env
+from tests.support.launch import QUIET, REPO, read_metrics, run_train, train_env
 
 COMMON = ["trainer.steps=2", "trainer.seq_length=64", "trainer.global_batch_size=4",
           "trainer.micro_batch_size=2", "model.dsa.topk=16", "checkpoint.save_at_end=false"]
@@ -44,7 +44,7 @@ def test_strict_run_equals_plain_bit_for_bit_and_counts_host_syncs(tmp_path, mod
 
 
 def _mutated(tmp_path, mutation: str, *extra: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "tests.distributed.strict_mutations", mutation, *QUIET, *COMMON,
+    cmd = [sys.executable, "-m", "tests.support.strict_mutations", mutation, *QUIET, *COMMON,
            f"trainer.run_dir={tmp_path / (mutation + '_' + extra[-1].split('=')[-1] if extra else mutation)}",
            "parallel.cpu_emulation=strict", *extra]
     return subprocess.run(cmd, cwd=REPO, env=train_env(1), capture_output=True, text=True, timeout=600)

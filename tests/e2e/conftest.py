@@ -4,7 +4,7 @@ platform without apt (and without Slurm) skips them."""
 
 import pytest
 
-from tests.e2e.slurm_cluster import SlurmCluster, SlurmUnavailable
+from tests.support.slurm_cluster import SlurmCluster, SlurmUnavailable
 
 
 @pytest.fixture(scope="session")

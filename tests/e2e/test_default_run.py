@@ -13,7 +13,7 @@ import torch
 import yaml
 
 from pretrain.reporting.logs import OWN_PACKAGES
-from tests.launch import REPO, checkpoint_tensors, read_metrics, train_env
+from tests.support.launch import REPO, checkpoint_tensors, read_metrics, train_env
 
 STAGES = [  # name, steps, sequence length, mixture
     ("pretrain_general", 16, 128, "default"),

@@ -13,7 +13,7 @@ import pytest
 from torch.distributed.checkpoint.api import CheckpointException
 
 from checkpointing import state as checkpoint
-from tests.launch import QUIET, REPO, train_command, train_env
+from tests.support.launch import QUIET, REPO, train_command, train_env
 
 
 def test_the_cause_is_found_inside_torch_checkpoint_failures(tmp_path):

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from tests.launch import REPO, train_env
+from tests.support.launch import REPO, train_env
 
 
 @pytest.mark.heavy

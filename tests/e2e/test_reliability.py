@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from tests.launch import QUIET, REPO, read_metrics, train_command, train_env
+from tests.support.launch import QUIET, REPO, read_metrics, train_command, train_env
 
 
 def _run(overrides, nproc=1, timeout=600):

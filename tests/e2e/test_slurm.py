@@ -14,8 +14,8 @@ import time
 
 import pytest
 
-from tests.e2e import wandb_offline
-from tests.launch import REPO, read_metrics, run_train
+from tests.support import wandb_offline
+from tests.support.launch import REPO, read_metrics, run_train
 
 STEPS = 6
 COMMON = [f"trainer.steps={STEPS}", "trainer.global_batch_size=8", "trainer.micro_batch_size=2",

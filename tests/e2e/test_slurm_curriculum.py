@@ -5,7 +5,7 @@ with the jobs held (so nothing trains), then cancelled."""
 import os
 import subprocess
 
-from tests.launch import REPO
+from tests.support.launch import REPO
 
 
 def test_stages_are_chained_with_afterok(slurm, tmp_path):

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from tests.launch import initial_checkpoint, read_metrics, run_train
+from tests.support.launch import initial_checkpoint, read_metrics, run_train
 from tests.support import topk_digest
 
 STEPS = 5

@@ -1,0 +1,1 @@
+"""Checkpoints on disk: scanning, init_from, backend key mapping."""

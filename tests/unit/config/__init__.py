@@ -1,0 +1,1 @@
+"""Configuration: schema, overrides, layouts, curricula, validation before compute, one-line errors."""

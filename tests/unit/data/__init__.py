@@ -1,0 +1,1 @@
+"""The data pipeline: config, preprocessing, mixtures, packing, groups, integrity."""

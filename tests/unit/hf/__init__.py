@@ -1,0 +1,1 @@
+"""The Hugging Face tool: config and weight mapping, interop, memory, safety."""

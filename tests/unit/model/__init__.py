@@ -1,0 +1,1 @@
+"""The network: architecture against GLM-5's numbers, DSA pieces against references, kernels."""

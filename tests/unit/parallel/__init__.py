@@ -1,0 +1,1 @@
+"""megatron-core on CPU ranks and the compat patches; CP splitting."""

@@ -1,0 +1,1 @@
+"""The planner: FLOPs, memory, activations, step time, CLI."""

@@ -1,0 +1,1 @@
+"""A run's console, metrics file, faults policy and run lock."""
