@@ -274,7 +274,7 @@ def main() -> None:
 
     from data_pipeline import tokenizer
     from data_pipeline.fsutil import file_digest
-    from tests.unit.data_support import default_data_cfg
+    from tests.support.data import default_data_cfg
 
     tok = tokenizer.resolve(default_data_cfg())
     rc, stages, streams = plan_streams()

@@ -479,8 +479,8 @@ def main() -> int:
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("benchmarks/dsa_gpu.py needs a CUDA GPU (FP8 e4m3 tensor cores, compute capability >= 8.9); "
-              "none is available here. CPU coverage of the kernels: tests/unit/test_dsa_fp8.py and "
-              "tests/unit/test_dsa_triton_kernels.py (TRITON_INTERPRET=1).", file=sys.stderr)
+              "none is available here. CPU coverage of the kernels: tests/unit/model/test_dsa_fp8.py and "
+              "tests/unit/model/test_dsa_triton_kernels.py (TRITON_INTERPRET=1).", file=sys.stderr)
         return 2
     cap = torch.cuda.get_device_capability()
     if cap < (8, 9):
