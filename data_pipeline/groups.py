@@ -6,7 +6,7 @@ megatron's ``build_blending_indices`` O(samples x datasets): ~6 h for the 18T-to
 7,000 shards (``benchmarks/data_scale.py``). A :class:`ShardGroup` presents consecutive shards of
 one corpus as one low-level dataset, exactly as if megatron's own ``IndexedDatasetBuilder.add_index``
 had merged them into one ``.bin/.idx`` (documents in shard order), without copying a byte: the
-samples equal those of megatron's builder over the merged files (``tests/unit/test_data_groups.py``).
+samples equal those of megatron's builder over the merged files (``tests/unit/data/test_data_groups.py``).
 A group holds at most ``data.max_group_documents`` documents: megatron's document ids are int32.
 
 Shards are opened on first read and kept in one process-wide LRU sized by

@@ -3,7 +3,7 @@
 megatron-core assumes CUDA everywhere. Everything that makes it run without CUDA lives here, one
 patch per behaviour (see docs/cpu_ranks.md), and is installed only when CUDA is
 absent (fixes that hold on GPUs too are in ``fixes.py``). Each patch has its own test in
-``tests/unit/test_cpu_emulation.py`` so a megatron-core upgrade shows exactly which one broke.
+``tests/unit/parallel/test_cpu_emulation.py`` so a megatron-core upgrade shows exactly which one broke.
 """
 
 from __future__ import annotations

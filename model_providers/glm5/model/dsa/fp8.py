@@ -12,7 +12,7 @@ token and head for q, per token for k), scale = max(amax, 1e-4) / 448, values x 
 float8_e4m3fn (round to nearest even, clamped to +-448). `pow2_scales=True` rounds each scale UP
 to a power of two (UE8M0 scales, as DeepSeek-V3.2 does), so scaled values stay within +-448.
 
-Error bound (checked elementwise by tests/unit/test_dsa_fp8.py)
+Error bound (checked elementwise by tests/unit/model/test_dsa_fp8.py)
 ---------------------------------------------------------------
 e4m3 has 3 mantissa bits. For a scaled value y = x / s with |y| >= 2^-6 (normal range) round to
 nearest is off by at most half an ulp, 2^(e-4) for |y| in [2^e, 2^(e+1)): relative error

@@ -9,7 +9,7 @@ Why positions need not restart per document: RoPE is relative. Once attention ac
 is masked, a score depends on q and k only through their position difference, which is the same
 whether positions count from the sample's start or from the document's start. The model's RoPE
 (MLA and the indexer) therefore uses sample positions and is exact for packed documents (up to
-fp rounding of the angles); `tests/unit/test_packed_documents.py` checks that per-token losses
+fp rounding of the angles); `tests/unit/model/test_packed_documents.py` checks that per-token losses
 of a packed sample equal those of its documents run one by one.
 """
 
