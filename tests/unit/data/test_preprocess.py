@@ -32,6 +32,7 @@ def _texts(files, field="text"):
     return out
 
 
+@pytest.mark.heavy
 def test_sample_corpora_round_trip():
     cfg = default_data_cfg()
     outputs = sample_outputs()
@@ -107,6 +108,7 @@ def test_mask_settings_change_the_sidecar(tmp_path):
     assert dropped[(False, True)] == len(tok.encode(tool_part, add_special_tokens=False).ids)
 
 
+@pytest.mark.heavy
 def test_byte_range_shards_partition_one_file(tmp_path):
     texts = [f"document {i}: " + "word " * (i % 37) for i in range(301)]
     f = write_jsonl(tmp_path / "one.jsonl", [{"text": t} for t in texts])
@@ -158,6 +160,7 @@ def _no_output(cache) -> bool:
     return not glob.glob(os.path.join(str(cache), "indexed", "c-*"))
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("workers", [1, 2])
 def test_missing_text_field(tmp_path, workers):
     f = write_jsonl(tmp_path / "a.jsonl", [{"text": "ok"}] * 50 + [{"body": "no text here"}] + [{"text": "x"}] * 50)
@@ -196,6 +199,7 @@ def test_invalid_utf8_replace_counts_reject_names_the_byte(tmp_path):
     assert _no_output(tmp_path / "cache2")
 
 
+@pytest.mark.heavy
 def test_preprocessing_inside_a_busy_process_uses_forkserver_and_same_tokens(tmp_path):
     """A training run triggers preprocessing from a process that already runs threads (gloo,
     W&B): its workers must not be forked from it (a lock held by another thread hangs them)."""

@@ -254,6 +254,7 @@ import_hf(sys.argv[1], sys.argv[2], mtp_num_steps=0)
 """
 
 
+@pytest.mark.heavy
 def test_killed_import_leaves_only_a_partial_folder_that_a_rerun_replaces(tiny, tmp_path):
     """SIGKILL midway: nothing at OUT, the half-written result in ``<OUT>.partial`` (marked);
     a rerun removes that folder and writes OUT. An unmarked ``<OUT>.partial`` (not this tool's)
@@ -281,6 +282,7 @@ def test_killed_import_leaves_only_a_partial_folder_that_a_rerun_replaces(tiny, 
     assert not other.exists()
 
 
+@pytest.mark.heavy
 def test_cli_reports_user_errors_without_traceback(tiny, tmp_path):
     _, hf_dir, ckpt = tiny
     env = dict(os.environ, PYTHONPATH=REPO, PYTHONWARNINGS="ignore")

@@ -130,6 +130,7 @@ def _indexer_params_per_layer(cfg: GLM5Config) -> int:
 # --- glm5_744b on the meta device --------------------------------------------------------------
 
 
+@pytest.mark.heavy  # builds the 744B model on meta (~10 s)
 class TestGLM5_744B:
     @pytest.fixture(scope="class")
     def built(self):

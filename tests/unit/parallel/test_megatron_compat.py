@@ -38,6 +38,7 @@ def test_install_refuses_another_megatron_core_version_naming_the_files(monkeypa
         assert patched.__file__ in str(err.value)
 
 
+@pytest.mark.heavy
 def test_install_outside_the_cpu_emulation_installs_every_backend_fix():
     """What a GPU rank gets: ``megatron_compat.install()`` alone (a fresh interpreter in which the
     CPU emulation is never installed) patches the distributed optimizer, MTP's rolls, the

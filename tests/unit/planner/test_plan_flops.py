@@ -98,6 +98,7 @@ CASES = [
 ]
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("mode,recompute", CASES)
 def test_exact_count_equals_flop_counter_on_the_tiny_model(one_rank, mode, recompute):
     """query_chunk=1: the torch indexer / KL score a chunk of c query rows against the keys its
