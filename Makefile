@@ -11,7 +11,7 @@ ARGS   ?=
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[dev]'
-	$(PY) -m model_providers.glm5.model.dsa.kernels.sparse_mla_cpu
+	$(PY) -m model_providers.glm5.model.dsa.kernels.dsa_cpu
 	rm -f $(VENV)/.installed-* && touch $@
 
 run: $(STAMP)

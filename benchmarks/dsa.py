@@ -127,7 +127,7 @@ def _install_scopes():
     """record_function scopes around the DSA functions (the product code has none)."""
     import model_providers.glm5.model.dsa.attention as attention
     import model_providers.glm5.model.dsa.indexer as indexer
-    import model_providers.glm5.model.dsa.kernels.sparse_mla_cpu as fused
+    import model_providers.glm5.model.dsa.kernels.dsa_cpu as fused
     import model_providers.glm5.model.dsa.sparse_attention as sparse
 
     attention.DSACoreAttention._indexer_inputs = _scoped(attention.DSACoreAttention._indexer_inputs,

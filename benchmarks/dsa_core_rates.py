@@ -39,7 +39,7 @@ def core_on_rows(length: int, heads: int, dim: int, dv: int, k: int, queries: in
     {"random": ..., "contiguous": ...}. None without the fused kernel."""
     import torch
 
-    from model_providers.glm5.model.dsa.kernels.sparse_mla_cpu import KEY_BLOCK, cpu_kernel
+    from model_providers.glm5.model.dsa.kernels.dsa_cpu import KEY_BLOCK, cpu_kernel
 
     kernel = cpu_kernel()
     if kernel is None:

@@ -55,7 +55,7 @@ def _on_rank0(fn):
 def _check_config_change(rc: RunConfig, stages, latest: str, state: dict, run_dir: str, rank: int) -> None:
     """A resume must train what its checkpoint trained (pretrain.config.resume_changes)."""
     from checkpointing import state as checkpoint
-    from pretrain.config.schema import resume_changes as config_change
+    from pretrain.config import resume_changes as config_change
     from pretrain.curriculum import plan
 
     old = config_change.checkpoint_config(checkpoint.read_common(latest))

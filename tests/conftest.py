@@ -8,7 +8,7 @@ def pytest_sessionstart(session):
     bootstrap (``make``); a run without it builds it on first use."""
     import torch
 
-    from model_providers.glm5.model.dsa.kernels.sparse_mla_cpu import describe_lanes, kernel_lanes
+    from model_providers.glm5.model.dsa.kernels.dsa_cpu import describe_lanes, kernel_lanes
 
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
     if reporter is not None:

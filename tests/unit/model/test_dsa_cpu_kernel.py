@@ -1,4 +1,4 @@
-"""The fused C++ sparse MLA (``dsa/kernels/sparse_mla_cpu``) equals the op-by-op torch path
+"""The fused C++ sparse MLA (``dsa/kernels/dsa_cpu``) equals the op-by-op torch path
 (``dsa/sparse_attention``): output, head probabilities and both gradients, with hidden keys and
 without, fp32 and bf16, key counts that are not a multiple of the key block; it is bitwise
 deterministic; o comes head-major (dO in any layout); and ``model.dsa.kernels=auto`` runs it in the DSA layer on CPU with the same
@@ -6,7 +6,7 @@ outputs and gradients as ``kernels=torch`` on packed documents.
 
 Every kernel test runs at both vector widths, 8 lanes (the AVX2 machines' path) and 16 (the
 AVX-512 machines'), whatever this CPU's own is: the widths tile and split their sums differently,
-and each width's arithmetic is the same on any x86 CPU (``sparse_mla_cpu.py`` says why).
+and each width's arithmetic is the same on any x86 CPU (``dsa_cpu.py`` says why).
 
 The error bound, the same for both widths: the fused kernel and the torch path evaluate the same
 formulas in the same precision (fp32 statistics; bf16 only for o, dq, dkv) and differ only in the
@@ -25,7 +25,7 @@ import pytest
 import torch
 
 import model_providers.glm5.model.dsa.attention as attention
-from model_providers.glm5.model.dsa.kernels import sparse_mla_cpu as fused
+from model_providers.glm5.model.dsa.kernels import dsa_cpu as fused
 from model_providers.glm5.model.dsa.sparse_attention import SparseLatentAttention
 from tests.support.dsa_layer import outputs_per_kernel_choice
 

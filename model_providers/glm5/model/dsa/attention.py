@@ -23,7 +23,7 @@ from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 from model_providers.glm5.model.dsa.dense_attention import dense_attention
 from model_providers.glm5.model.dsa.indexer import LightningIndexer, select_topk
 from model_providers.glm5.model.dsa.kernels import HAVE_TRITON, sparse_mla_triton
-from model_providers.glm5.model.dsa.kernels.sparse_mla_cpu import cpu_kernel, fits_cpu_kernel, sparse_mla_cpu
+from model_providers.glm5.model.dsa.kernels.dsa_cpu import cpu_kernel, fits_cpu_kernel, sparse_mla_cpu
 from model_providers.glm5.model.dsa.kl import dense_kl, sparse_kl
 from model_providers.glm5.model.dsa.visibility import TokenLayout
 from model_providers.glm5.model.dsa.sparse_attention import all_visible, sparse_latent_attention

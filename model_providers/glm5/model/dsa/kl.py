@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from model_providers.glm5.model.dsa.indexer import causal_mask
-from model_providers.glm5.model.dsa.kernels.sparse_mla_cpu import cpu_kernel
+from model_providers.glm5.model.dsa.kernels.dsa_cpu import cpu_kernel
 from model_providers.glm5.model.dsa.sparse_attention import all_visible, rows_per_chunk, scatter_add_rows
 
 

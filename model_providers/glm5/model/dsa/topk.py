@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from model_providers.glm5.model.dsa.kernels.sparse_mla_cpu import cpu_kernel
+from model_providers.glm5.model.dsa.kernels.dsa_cpu import cpu_kernel
 
 _LOW31 = 0x7FFFFFFF
 

@@ -7,7 +7,7 @@
 - :func:`fp8_index_logits_triton`: the fp8 indexer on pre-quantised inputs, one query offset.
 
 The CPU ranks' fused sparse MLA and indexer KL (C++, built on first use) are in
-:mod:`.sparse_mla_cpu`, imported by name: importing this package builds nothing.
+:mod:`.dsa_cpu`, imported by name: importing this package builds nothing.
 """
 
 from .indexer_fp8_triton import HAVE_TRITON, fp8_index_logits_triton

@@ -1,6 +1,7 @@
-"""Fused sparse MLA for CPU ranks: the C++ counterpart of
-``sparse_attention.sparse_latent_attention`` (same shapes, semantics and precision; the source,
-``sparse_mla_cpu.cpp``, says how it is organised), of the indexer's sparse KL with its
+"""DSA's fused ops for CPU ranks, one C++ extension (``dsa_cpu.cpp`` says how it is organised)
+exporting six: the sparse MLA forward and backward, the C++ counterpart of
+``sparse_attention.sparse_latent_attention`` (same shapes, semantics and precision; :func:`sparse_mla_cpu`
+wraps them in autograd), the indexer's sparse KL with its
 gradients (``kl.sparse_kl(..., fused=True)`` calls ``cpu_kernel().sparse_kl``), of the dense KL's
 row work between its GEMMs (``kl.dense_kl(..., fused=True)``: ``attention_target`` and
 ``dense_kl_rows``) and of the indexer's top-k (``topk``).
@@ -33,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).with_name("sparse_mla_cpu.cpp")
+SOURCE = Path(__file__).with_name("dsa_cpu.cpp")
 #: selected keys per block: the block's latent rows (128 x 576 x 4 B = 0.3 MiB) stay in a 512 KiB
 #: L2 between the block's GEMMs (measured at 16K on an AVX2 EPYC, fwd+bwd: 128 beat 256 in each of
 #: 3 alternating runs, by 5-12%, 64 was slower; rechecked once fp32 rows went without software
@@ -82,7 +83,7 @@ def describe_lanes(lanes: int) -> str:
 
 def _name(lanes: int) -> str:
     key = hashlib.sha1(f"{platform.machine()} {_cpu_flags()}".encode()).hexdigest()[:10]
-    return f"glm5_sparse_mla_cpu_{key}_{lanes}lanes"
+    return f"glm5_dsa_cpu_{key}_{lanes}lanes"
 
 
 def _clear_stale_lock(name: str) -> None:

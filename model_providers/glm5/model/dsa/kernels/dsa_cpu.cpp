@@ -47,7 +47,7 @@ inline void hidden_keys(float* hide, const bool* valid, int64_t k) {
 // work went from 82 to 38 ms per 16.8M scores on one thread.
 //
 // The vector width is the CPU's own (16 floats with AVX-512, else 8) unless the build names one
-// (SPARSE_MLA_LANES, from sparse_mla_cpu.py). The width sets the tiles and the order of every
+// (SPARSE_MLA_LANES, from dsa_cpu.py). The width sets the tiles and the order of every
 // lane-split sum, so the two widths round differently; each width's arithmetic is the same on any
 // x86 CPU with AVX2 and FMA (GCC lowers a 16-lane vector to two 8-lane halves, lane for lane, and
 // contracts the same multiply-adds), which is how one kind of machine tests the other's path.
