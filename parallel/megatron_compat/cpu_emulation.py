@@ -243,6 +243,18 @@ def _single_threaded_helper_threads() -> None:
     helper.join()
 
 
+def _eager_jit_fusers() -> None:
+    """Run megatron's ``jit_fuser`` functions (``torch.compile``: the router's score and expert-bias
+    update, the experts' activations, the dispatcher's permutation helpers) eagerly.
+
+    Their fusion is a GPU optimisation; on CPU ranks each process traced and compiled them at its
+    first step (~5 s of CPU per rank warm, more with a cold inductor cache: a C++ build) for
+    tensors of a few thousand elements. Eager runs the same ops; every run on CPU ranks is eager
+    alike, so runs stay comparable with each other.
+    """
+    torch.compiler.set_stance("force_eager")
+
+
 def install(strict: bool = False) -> bool:
     """Install every patch once, when CUDA is unavailable. Returns whether emulation is active.
     ``strict``: also track device residency and fail where CUDA would (:mod:`.strict_cuda`);
@@ -261,6 +273,7 @@ def install(strict: bool = False) -> bool:
     dist.all_to_all_single = _all_to_all_single_with_list_splits(dist.all_to_all_single)
     dist.all_gather = _all_gather_uneven(dist.all_gather)
     _single_threaded_helper_threads()
+    _eager_jit_fusers()
     _MODE = CudaDeviceToCpuMode()
     _MODE.__enter__()
     _INSTALLED = True
