@@ -98,7 +98,7 @@ def run(rc: RunConfig, config_yaml: str, changes=()) -> dict:
     from pretrain.reporting import logs
     routing = logs.route(rc.logger.verbose)  # first: megatron logs and warns as it is imported
     started = time.time()
-    from parallel.initialize import dist_env, start_process_group
+    from parallel.initialize import destroy_model_parallel_groups, dist_env, start_process_group
 
     env = dist_env()
     routing.rank = env.rank  # ranks > 0 keep our lines off the console from the start
@@ -106,8 +106,6 @@ def run(rc: RunConfig, config_yaml: str, changes=()) -> dict:
     if env.rank == 0:
         for note in override_notes(rc, stages, changes):
             print(f"note: {note}", file=sys.stderr, flush=True)
-    from megatron.core import parallel_state
-
     from model_providers.glm5.model.specs import resolve_backend
     from parallel.megatron_compat import release_cached_modules
     from checkpointing import state as checkpoint
@@ -118,6 +116,7 @@ def run(rc: RunConfig, config_yaml: str, changes=()) -> dict:
 
     preemption = faults.PreemptionSignal()  # USR1/SIGTERM -> save after the current step, exit
     backend = resolve_backend(rc.model.layer_backend)
+    owns_process_group = not dist.is_initialized()  # else: a caller's, kept for its next run
     start_process_group(env, cpu_emulation_mode=rc.parallel.cpu_emulation)
     run_dir = os.path.abspath(rc.trainer.run_dir)
     ckpt_dir = os.path.join(run_dir, "checkpoints")
@@ -186,14 +185,30 @@ def run(rc: RunConfig, config_yaml: str, changes=()) -> dict:
     }
     if env.rank == 0:
         console.say(*console.summary_lines(summary, time.time() - started))
-    if parallel_state.model_parallel_is_initialized():
-        parallel_state.destroy_model_parallel()
+    destroy_model_parallel_groups()
     dist.barrier()
-    dist.destroy_process_group()
+    if owns_process_group:
+        dist.destroy_process_group()
     if lock is not None:
         lock.release()
+        atexit.unregister(lock.release)
     routing.close()
     return summary
+
+
+def resolve(cfg: DictConfig, overrides: list[str]) -> tuple[RunConfig, str, list]:
+    """What :func:`run` takes, from the composed config and the overrides that made it: the run
+    config, its resolved YAML and the fields the overrides changed. Raises ConfigError."""
+    from omegaconf.errors import OmegaConfBaseException
+
+    from pretrain.config.overrides import changed_fields
+
+    try:
+        rc = to_run_config(cfg)  # a key forced in with +group.key=..., a bad interpolation
+        config_yaml = OmegaConf.to_yaml(cfg, resolve=True)
+    except OmegaConfBaseException as e:
+        raise ConfigError("invalid config", [_omegaconf_problem(e)]) from None
+    return rc, config_yaml, changed_fields(overrides, compose, CONF_DIR, full=cfg)
 
 
 def _omegaconf_problem(e: Exception) -> str:
@@ -206,18 +221,9 @@ def _omegaconf_problem(e: Exception) -> str:
 @hydra.main(version_base=None, config_path="../conf", config_name="config")
 def main(cfg: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
-    from omegaconf.errors import OmegaConfBaseException
-
-    from pretrain.config.overrides import changed_fields
 
     try:
-        try:
-            rc = to_run_config(cfg)  # a key forced in with +group.key=..., a bad interpolation
-            config_yaml = OmegaConf.to_yaml(cfg, resolve=True)
-        except OmegaConfBaseException as e:
-            raise ConfigError("invalid config", [_omegaconf_problem(e)]) from None
-        changes = changed_fields(list(HydraConfig.get().overrides.task), compose, CONF_DIR, full=cfg)
-        summary = run(rc, config_yaml, changes)
+        summary = run(*resolve(cfg, list(HydraConfig.get().overrides.task)))
     except (ConfigError, RunDirLocked) as e:
         # bad input, not a bug: one line naming the field and value (a list when there are
         # several), exit status 1 and no traceback (Hydra prints one for any exception; it

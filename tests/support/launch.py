@@ -28,8 +28,8 @@ def quiet(overrides: list[str]) -> list[str]:
 
 
 def train_command(overrides: list[str], nproc: int = 1, module: tuple = ("-m", "pretrain.train")) -> list[str]:
-    """The argv of a run: ``python <module> overrides`` on one rank, under torchrun on more;
-    ``module`` may name a launcher that wraps the entry point (``tests.support.topk_digest``)."""
+    """The argv of a run in its own processes: ``python <module> overrides`` on one rank, under
+    torchrun on more; ``module`` may name a launcher that wraps the entry point."""
     if nproc == 1:
         return [sys.executable, *module, *overrides]
     return [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
@@ -45,15 +45,13 @@ def train_env(nproc: int) -> dict:
     return env
 
 
-def run_train(overrides: list[str], nproc: int = 1, timeout: int = 600,
-              module: tuple = ("-m", "pretrain.train")) -> dict:
-    """Run to completion; return the JSON summary (the last stdout line). Fails with the output."""
-    proc = subprocess.run(train_command([*quiet(overrides), *overrides], nproc, tuple(module)), cwd=REPO,
-                          env=train_env(nproc),
-                          capture_output=True, text=True, timeout=timeout)
-    if proc.returncode != 0:
-        raise AssertionError(f"training failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+def run_train(overrides: list[str], nproc: int = 1, timeout: int = 600, digest_dir=None) -> dict:
+    """Run to completion on ``nproc`` ranks of this session's :mod:`.rank_pool`; return the JSON
+    summary ``python -m pretrain.train`` prints. ``digest_dir``: record the DSA selections
+    there (:mod:`.topk_digest`). Fails with the ranks' output."""
+    from tests.support import rank_pool
+
+    return rank_pool.run([*quiet(overrides), *overrides], nproc, timeout, digest_dir)
 
 
 def initial_checkpoint(root, *overrides: str):

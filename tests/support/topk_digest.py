@@ -1,31 +1,24 @@
-"""``python -m tests.support.topk_digest --digest-dir=DIR [hydra overrides]``: the training entry
-point, recording which keys every DSA sparse selection picked, per training step and rank.
+"""Which keys every DSA sparse selection picked, per training step and rank, recorded around the
+training entry point (in a :mod:`.rank_pool` job: ``run_train(..., digest_dir=DIR)``).
 
-The training code keeps no inspection state: this launcher wraps the ``select_topk`` that
-``model_providers.glm5.model.dsa.attention`` calls and ``loop.train_step`` (for the step number),
-and writes ``DIR/rank<r>.json``: ``{step: [row digests]}``. A row digest hashes the layer, the
-query's global position and the set of visible keys it selected; a step's digests are a set, so
-the union over ranks is the same for any data, tensor, context or pipeline layout that selected
-the same keys (TP ranks repeat their group's selections; DP and CP ranks hold other rows).
-Selections made outside a training step (validation) are not recorded.
+The training code keeps no inspection state: :func:`install` wraps the ``select_topk`` that
+``model_providers.glm5.model.dsa.attention`` calls and ``loop.train_step`` (for the step number);
+inside :func:`recording` each rank writes ``DIR/rank<r>.json``: ``{step: [row digests]}``. A row
+digest hashes the layer, the query's global position and the set of visible keys it selected; a
+step's digests are a set, so the union over ranks is the same for any data, tensor, context or
+pipeline layout that selected the same keys (TP ranks repeat their group's selections; DP and CP
+ranks hold other rows). Selections made outside a training step (validation) are not recorded.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
-import runpy
-import sys
 
 import torch
 
-FLAG = "--digest-dir="
 _MIX = 0x9E3779B97F4A7C15 - (1 << 64)  # an odd 64-bit constant, as a signed int64
-
-
-def command(digest_dir: str, overrides: list[str]) -> list[str]:
-    """The module arguments (after ``python`` or ``torchrun``) of a recorded run."""
-    return ["-m", __name__, FLAG + str(digest_dir), *overrides]
 
 
 def row_digests(idx: torch.Tensor, valid: torch.Tensor, positions: torch.Tensor, layer: int) -> list[int]:
@@ -37,13 +30,33 @@ def row_digests(idx: torch.Tensor, valid: torch.Tensor, positions: torch.Tensor,
     return h.flatten().tolist()
 
 
-def install(digest_dir: str) -> None:
+_TARGET: dict = {"dir": None, "steps": {}}  #: where the current run records, and what it has
+
+
+@contextlib.contextmanager
+def recording(digest_dir):
+    """Record the selections of the runs inside the block into ``digest_dir`` (None: nothing)."""
+    if digest_dir is None:
+        yield
+        return
+    install()
+    os.makedirs(digest_dir, exist_ok=True)
+    _TARGET.update(dir=str(digest_dir), steps={})
+    try:
+        yield
+    finally:
+        _TARGET.update(dir=None, steps={})
+
+
+def install() -> None:
+    """Wrap the selection and the training step, once per process."""
     import torch.distributed as dist
 
     from model_providers.glm5.model.dsa import attention
     from pretrain import loop
 
-    steps: dict = {}
+    if getattr(attention.select_topk, "records_topk", False):
+        return
     current = {"step": None, "layer": 0}
     select, forward, train_step = attention.select_topk, attention.DSACoreAttention.forward, loop.train_step
 
@@ -52,7 +65,7 @@ def install(digest_dir: str) -> None:
         if current["step"] is not None:
             positions = (torch.arange(first, first + idx.shape[1]) if layout is None
                          else layout.q_pos[first:first + idx.shape[1]])
-            steps.setdefault(current["step"], set()).update(
+            _TARGET["steps"].setdefault(current["step"], set()).update(
                 row_digests(idx.cpu(), valid.cpu(), positions.cpu(), current["layer"]))
         return idx, valid
 
@@ -61,6 +74,9 @@ def install(digest_dir: str) -> None:
         return forward(self, *args, **kwargs)
 
     def step_recorded(ddp_chunks, optimizer, scheduler, dataset, consumed_samples, trainer_cfg, *args, **kwargs):
+        if _TARGET["dir"] is None:
+            return train_step(ddp_chunks, optimizer, scheduler, dataset, consumed_samples, trainer_cfg,
+                              *args, **kwargs)
         current["step"] = consumed_samples // trainer_cfg.global_batch_size + 1
         try:
             return train_step(ddp_chunks, optimizer, scheduler, dataset, consumed_samples, trainer_cfg,
@@ -68,11 +84,12 @@ def install(digest_dir: str) -> None:
         finally:
             current["step"] = None
             rank = dist.get_rank() if dist.is_initialized() else 0
-            path = os.path.join(digest_dir, f"rank{rank}.json")
+            path = os.path.join(_TARGET["dir"], f"rank{rank}.json")
             with open(path + ".tmp", "w") as f:
-                json.dump({s: sorted(d) for s, d in steps.items()}, f)
+                json.dump({s: sorted(d) for s, d in _TARGET["steps"].items()}, f)
             os.replace(path + ".tmp", path)
 
+    recording_select.records_topk = True
     attention.select_topk = recording_select
     attention.DSACoreAttention.forward = forward_noting_layer
     loop.train_step = step_recorded
@@ -87,17 +104,3 @@ def read(digest_dir) -> dict[int, frozenset]:
                 for step, rows in json.load(f).items():
                     union.setdefault(int(step), set()).update(rows)
     return {s: frozenset(r) for s, r in union.items()}
-
-
-def main() -> None:
-    if len(sys.argv) < 2 or not sys.argv[1].startswith(FLAG):
-        raise SystemExit(f"usage: python -m {__name__} {FLAG}<dir> [hydra overrides]")
-    digest_dir = sys.argv[1][len(FLAG):]
-    del sys.argv[1]  # the rest is Hydra's
-    os.makedirs(digest_dir, exist_ok=True)
-    install(digest_dir)
-    runpy.run_module("pretrain.train", run_name="__main__")
-
-
-if __name__ == "__main__":
-    main()

@@ -1,0 +1,23 @@
+"""The tests' rank pool (tests/support/rank_pool.py) runs jobs as ``python -m pretrain.train``
+would, one after another in the same ranks: a failed job reports the run's own error and ends
+its pool, and the next job gets a fresh pool. (That a pool's runs train exactly as fresh
+processes do is held by the resume tests: a run killed in its own process and finished in a pool
+logs the straight run's numbers bit for bit.)"""
+
+import pytest
+
+from tests.support import rank_pool
+from tests.support.launch import quiet, run_train
+
+
+@pytest.mark.heavy
+def test_a_failed_job_reports_its_error_and_the_next_job_runs_in_a_fresh_pool(tmp_path):
+    ok = run_train([f"trainer.run_dir={tmp_path / 'a'}", "trainer.steps=2"])
+    pool = rank_pool._POOLS[1]
+    bad = [f"trainer.run_dir={tmp_path / 'b'}", "trainer.steps=2", "optimizer.lr=-1"]
+    with pytest.raises(AssertionError, match=r"(?s)ConfigError: invalid run config.*optimizer\.lr=-1"):
+        rank_pool.run([*quiet(bad), *bad], nproc=1, timeout=300)
+    assert not pool.alive()
+    again = run_train([f"trainer.run_dir={tmp_path / 'c'}", "trainer.steps=2"])
+    assert rank_pool._POOLS[1] is not pool
+    assert again["final_loss"] == ok["final_loss"]  # the same seed and data: the same first step
