@@ -13,7 +13,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from omegaconf import OmegaConf
 
-from tests.support.launch import read_metrics, run_train
+from tests.support.launch import read_metrics, run_in_new_processes
 from tests.support.data import corpus_cfg, tokenizer_path, write_jsonl
 
 
@@ -63,12 +63,13 @@ def test_two_rank_run_logs_tokens_per_category(tmp_path):
         f"  prose: {{category: general, paths: [{prose}]}}\n  code: {{category: code, paths: [{code}]}}\n"
         "mixtures:\n  default: {prose: 0.75, code: 0.25}\n")
     run_dir = tmp_path / "run"
-    summary = run_train([f"hydra.searchpath=[file://{tmp_path / 'conf'}]", "data=mini", "parallel=dp2_distopt",
-                         "trainer.steps=2", "trainer.global_batch_size=8", "trainer.micro_batch_size=4",
-                         "trainer.seq_length=64", f"trainer.run_dir={run_dir}", "checkpoint.save_at_end=false"],
-                        nproc=2)
+    summary = run_in_new_processes(
+        [f"hydra.searchpath=[file://{tmp_path / 'conf'}]", "data=mini", "parallel=dp2_distopt", "trainer.steps=2",
+         "trainer.global_batch_size=8", "trainer.micro_batch_size=4", "trainer.seq_length=64",
+         f"trainer.run_dir={run_dir}", "checkpoint.save_at_end=false"], nproc=2)
     assert summary["steps"] == 2 and summary["world_size"] == 2
-    for rank in (0, 1):  # megatron's chatter of each rank is in its own file (pretrain.reporting.logs)
+    for rank in (0, 1):  # megatron's chatter of each rank, from its import on, is in its own file
+        # (pretrain.reporting.logs); hence processes of this run's own: a rank pool imported it earlier
         assert "megatron.core" in (run_dir / "logs" / f"rank{rank}.log").read_text()
     metrics = read_metrics(str(run_dir))
     for step, rec in enumerate(metrics, start=1):

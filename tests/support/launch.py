@@ -54,6 +54,16 @@ def run_train(overrides: list[str], nproc: int = 1, timeout: int = 600, digest_d
     return rank_pool.run([*quiet(overrides), *overrides], nproc, timeout, digest_dir)
 
 
+def run_in_new_processes(overrides: list[str], nproc: int = 1, timeout: int = 600) -> dict:
+    """:func:`run_train` in processes of its own, for what a process does from its start (a
+    rank's log holds the libraries' import-time records). Returns the JSON summary."""
+    proc = subprocess.run(train_command([*quiet(overrides), *overrides], nproc), cwd=REPO,
+                          env=train_env(nproc), capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise AssertionError(f"training failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 def initial_checkpoint(root, *overrides: str):
     """One rank writes step 0 (the seeded initial weights) under ``root/init``; parity tests start
     every layout from it. Returns the checkpoint folder."""
