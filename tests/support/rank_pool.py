@@ -8,11 +8,12 @@ OVERRIDES`` does: the same composition and checks (:func:`pretrain.train.resolve
 :func:`pretrain.train.run`, which leaves a process group it did not start (the pool's) and
 destroys everything else it built (megatron's groups, the model, the run-dir lock, its logging).
 
-Between jobs a rank keeps the process group and the CPU emulation; a job with
-``parallel.cpu_emulation=strict`` runs inside the emulation's strict mode. The resume tests hold
-the pool to this: a run killed in a fresh process and finished in a pool must log the straight
-run's numbers bit for bit. A job that fails ends its pool (a rank may be stuck in a collective or
-hold half-built state); the next job starts a fresh one.
+Between jobs a rank keeps the process group and the CPU emulation, plain or strict as the pool
+was started (``parallel.cpu_emulation``: megatron keeps tensors across runs in class attributes,
+such as the MoE aux-loss scale, so the two never share a process). The resume tests hold the pool
+to this: a run killed in a fresh process and finished in a pool must log the straight run's
+numbers bit for bit. A job that fails ends its pool (a rank may be stuck in a collective or hold
+half-built state); the next job starts a fresh one.
 
 Protocol (files in SPOOL, each written whole with a rename): the client writes ``job-<k>.json``
 ({"overrides": [...], "digest_dir": ...}); every rank runs it and writes ``done-<k>.rank<r>.json``
@@ -63,37 +64,35 @@ def _next_job(path: str, client_pid: int):
     return _read(path)
 
 
-def run_job(job: dict) -> dict:
+def run_job(job: dict, emulation: str) -> dict:
     """One ``python -m pretrain.train`` run in this process; its summary (raises on failure,
     and when the run ended early: a preempted or diverged run exits non-zero)."""
-    import contextlib
-
-    from parallel.megatron_compat import cpu_emulation
     from pretrain.config.schema import compose
     from pretrain.train import resolve, run
     from tests.support import topk_digest
 
     overrides = list(job["overrides"])
     rc, config_yaml, changes = resolve(compose(overrides), overrides)
-    strict = cpu_emulation.strict_mode() if rc.parallel.cpu_emulation == "strict" else contextlib.nullcontext()
-    with strict, topk_digest.recording(job.get("digest_dir")):
+    if rc.parallel.cpu_emulation != emulation:
+        raise RuntimeError(f"a {rc.parallel.cpu_emulation} job sent to a {emulation} pool")
+    with topk_digest.recording(job.get("digest_dir")):
         summary = run(rc, config_yaml, changes)
     if summary["preempted"] or summary["diverged"]:
         raise RuntimeError(f"the run ended early: {summary}")
     return summary
 
 
-def serve(spool: str, client_pid: int) -> None:
+def serve(spool: str, client_pid: int, emulation: str) -> None:
     import traceback
 
     from parallel.initialize import dist_env, start_process_group
 
     env = dist_env()
-    start_process_group(env)
+    start_process_group(env, cpu_emulation_mode=emulation)
     k = 0
     while (job := _next_job(os.path.join(spool, f"job-{k}.json"), client_pid)) is not None:
         try:
-            done = {"summary": run_job(job)}
+            done = {"summary": run_job(job, emulation)}
         except BaseException:  # noqa: BLE001 -- a SystemExit of the run too: reported, then this pool ends
             done = {"error": traceback.format_exc()}
         _write(os.path.join(spool, f"done-{k}.rank{env.rank}.json"), done)
@@ -106,9 +105,10 @@ def serve(spool: str, client_pid: int) -> None:
 
 
 class RankPool:
-    """``nproc`` ranks serving jobs from this process, started on construction."""
+    """``nproc`` ranks under the ``emulation`` CPU emulation serving jobs from this process,
+    started on construction."""
 
-    def __init__(self, nproc: int):
+    def __init__(self, nproc: int, emulation: str):
         from tests.support.launch import REPO, train_command, train_env
 
         self.nproc = nproc
@@ -117,7 +117,7 @@ class RankPool:
         self.jobs = 0
         with open(self.log, "w") as log:
             self.proc = subprocess.Popen(
-                train_command([self.spool, str(os.getpid())], nproc, ("-m", __name__)), cwd=REPO,
+                train_command([self.spool, str(os.getpid()), emulation], nproc, ("-m", __name__)), cwd=REPO,
                 env=train_env(nproc), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
     def alive(self) -> bool:
@@ -154,15 +154,28 @@ class RankPool:
         shutil.rmtree(self.spool, ignore_errors=True)
 
 
-_POOLS: dict[int, RankPool] = {}
+#: live pools by (ranks, emulation), least recently used first; each rank holds ~0.5 GB
+_POOLS: dict[tuple, RankPool] = {}
+MAX_POOLS = 3
+
+
+def emulation_of(overrides: list[str]) -> str:
+    """The run's ``parallel.cpu_emulation`` (the last override of it wins, as in Hydra)."""
+    values = [o.split("=", 1)[1] for o in overrides if o.split("=", 1)[0] == "parallel.cpu_emulation"]
+    return values[-1] if values else "plain"
 
 
 def run(overrides: list[str], nproc: int, timeout: float, digest_dir=None) -> dict:
-    """A run's JSON summary, from this session's pool of ``nproc`` ranks (started when there is
-    none, or when the last one ended with a failed job). Raises AssertionError on failure."""
-    pool = _POOLS.get(nproc)
+    """A run's JSON summary, from this session's pool of ``nproc`` ranks under the run's CPU
+    emulation (started when there is none, or when the last one ended with a failed job; the
+    least recently used one is closed beyond :data:`MAX_POOLS`). Raises AssertionError on failure."""
+    key = (nproc, emulation_of(overrides))
+    pool = _POOLS.pop(key, None)
     if pool is None or not pool.alive():
-        pool = _POOLS[nproc] = RankPool(nproc)
+        pool = RankPool(*key)
+    _POOLS[key] = pool
+    while len(_POOLS) > MAX_POOLS:
+        _POOLS.pop(next(iter(_POOLS))).close()
     return pool.run(overrides, timeout, digest_dir)
 
 
@@ -173,4 +186,4 @@ def _close_all() -> None:
 
 
 if __name__ == "__main__":
-    serve(sys.argv[1], int(sys.argv[2]))
+    serve(sys.argv[1], int(sys.argv[2]), sys.argv[3])

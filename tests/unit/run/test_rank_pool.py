@@ -13,11 +13,11 @@ from tests.support.launch import quiet, run_train
 @pytest.mark.heavy
 def test_a_failed_job_reports_its_error_and_the_next_job_runs_in_a_fresh_pool(tmp_path):
     ok = run_train([f"trainer.run_dir={tmp_path / 'a'}", "trainer.steps=2"])
-    pool = rank_pool._POOLS[1]
+    pool = rank_pool._POOLS[1, "plain"]
     bad = [f"trainer.run_dir={tmp_path / 'b'}", "trainer.steps=2", "optimizer.lr=-1"]
     with pytest.raises(AssertionError, match=r"(?s)ConfigError: invalid run config.*optimizer\.lr=-1"):
         rank_pool.run([*quiet(bad), *bad], nproc=1, timeout=300)
     assert not pool.alive()
     again = run_train([f"trainer.run_dir={tmp_path / 'c'}", "trainer.steps=2"])
-    assert rank_pool._POOLS[1] is not pool
+    assert rank_pool._POOLS[1, "plain"] is not pool
     assert again["final_loss"] == ok["final_loss"]  # the same seed and data: the same first step
