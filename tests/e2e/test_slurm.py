@@ -4,11 +4,17 @@
   W&B run (read back with wandb's own reader) holds every metrics.jsonl key with equal values;
 - USR1 sent to the batch shell mid-run (as Slurm does before the time limit) -> checkpoint, exit
   75, ``scontrol requeue``, the requeued job resumes from ``latest`` and finishes: per-step
-  losses equal the uninterrupted run, and both job attempts logged to one W&B run id.
+  losses equal the uninterrupted run, and both job attempts logged to one W&B run id;
+- ``slurm/curriculum.sh`` submits one slurm/pretrain.sh job per stage, each afterok on the
+  previous one and restricted to its stage with ``curriculum.only`` (checked with the jobs held, so
+  nothing trains, then cancelled).
+
+One file: the tests share the session's cluster, and ``make test`` runs each file in one worker.
 """
 
 import json
 import os
+import subprocess
 import sys
 import time
 
@@ -114,3 +120,45 @@ def test_usr1_preemption_requeues_and_resumes(slurm, reference, tmp_path):
     assert ids == {(run_dir / "wandb" / "run_id").read_text()}
     resumed = wandb_offline.history(wandb_offline.records(str(runs[1])))
     assert sorted(resumed) == list(range(first["steps"] + 1, STEPS + 1))
+
+
+def test_stages_are_chained_with_afterok(slurm, tmp_path):
+    proc = subprocess.run(
+        ["bash", os.path.join(REPO, "slurm", "curriculum.sh"), "--stages=warmup,main,long",
+         "--hold", f"--output={tmp_path}/%x-%j.out", "--ntasks-per-node=1", "--gpus-per-node=0",
+         "--cpus-per-task=1", "--", "trainer.name=chain"],
+        cwd=REPO, env=slurm.env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    submitted = [line.split() for line in proc.stdout.splitlines()]
+    try:
+        assert [stage for stage, _ in submitted] == ["warmup", "main", "long"]
+        previous = None
+        for stage, job in submitted:
+            info = slurm.job(job)
+            assert info["JobName"] == f"glm5-{stage}"
+            assert info["Command"] == os.path.join(REPO, "slurm", "pretrain.sh")
+            expected = "(null)" if previous is None else f"afterok:{previous}(unfulfilled)"
+            assert info["Dependency"] == expected, (stage, info["Dependency"])
+            command = subprocess.run(["squeue", "-h", "-o", "%o", "-j", job], env=slurm.env,
+                                     capture_output=True, text=True, timeout=30).stdout.split()
+            assert command == [os.path.join(REPO, "slurm", "pretrain.sh"), "trainer.name=chain",
+                               f"curriculum.only={stage}"]
+            previous = job
+    finally:
+        subprocess.run(["scancel", *[job for _, job in submitted]], env=slurm.env, timeout=30)
+
+
+def test_stage_names_come_from_the_composed_config(slurm, tmp_path):
+    proc = subprocess.run(
+        ["bash", os.path.join(REPO, "slurm", "curriculum.sh"), "--hold", f"--output={tmp_path}/%x-%j.out",
+         "--ntasks-per-node=1", "--gpus-per-node=0", "--cpus-per-task=1", "--", "trainer.name=chain2",
+         "curriculum=tiny"],
+        cwd=REPO, env=slurm.env, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr
+    submitted = [line.split() for line in proc.stdout.splitlines()]
+    try:
+        assert [stage for stage, _ in submitted] == [
+            "pretrain_general", "pretrain_code_reasoning", "extend_256", "extend_512", "extend_1024",
+            "dsa_warmup", "dsa_sparse"]
+    finally:
+        subprocess.run(["scancel", *[job for _, job in submitted]], env=slurm.env, timeout=30)

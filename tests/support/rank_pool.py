@@ -156,7 +156,7 @@ class RankPool:
 
 #: live pools by (ranks, emulation), least recently used first; each rank holds ~0.5 GB
 _POOLS: dict[tuple, RankPool] = {}
-MAX_POOLS = 3
+MAX_POOLS = 2
 
 
 def emulation_of(overrides: list[str]) -> str:
