@@ -1,9 +1,9 @@
-"""Training runs for tests, many per process: ``python -m tests.support.rank_pool SPOOL CLIENT_PID``
-(under torchrun for more ranks) runs jobs one after another in the same ranks.
+"""Training runs for tests, many per process: ``python -m tests.support.rank_pool SPOOL CLIENT_PID
+EMULATION`` (under torchrun for more ranks) runs jobs one after another in the same ranks.
 
 A fresh run process spends ~10 s of CPU importing torch and megatron-core before its first step,
 for test runs of a few seconds, and a 2-rank run pays it on both of 2 cores. A pool starts its
-ranks once per world size and pytest session, and runs each job as ``python -m pretrain.train
+ranks once per world size, CPU emulation and pytest worker, and runs each job as ``python -m pretrain.train
 OVERRIDES`` does: the same composition and checks (:func:`pretrain.train.resolve`), the same
 :func:`pretrain.train.run`, which leaves a process group it did not start (the pool's) and
 destroys everything else it built (megatron's groups, the model, the run-dir lock, its logging).
