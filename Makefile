@@ -5,9 +5,9 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-$(shell sha1sum pyproject.toml | cut -c1-12)
 ARGS   ?=
-# two pytest workers, each file in one of them (a file's fixtures -- a reference run, the Slurm
-# cluster -- are made once): most tests keep one core busy, and CI has two
-WORKERS ?= -n 2 --dist loadfile
+# make test-quick: two pytest workers (its tests each keep one core busy; CI has two). make test
+# runs one: its multi-rank runs fill both cores, and two workers' ranks on them ran it slower
+QUICK_WORKERS ?= -n 2
 
 .PHONY: run test test-quick bench
 
@@ -21,13 +21,13 @@ run: $(STAMP)
 	$(PY) -m pretrain.train $(ARGS)
 
 test: $(STAMP)
-	$(PY) -m pytest -q -p no:cacheprovider $(WORKERS) $(ARGS)
+	$(PY) -m pytest -q -p no:cacheprovider $(ARGS)
 
 # the one-process tests that launch nothing heavy (config, model, kernels, data): a first check in
 # a few minutes; `make test` runs these and the heavy ones (subprocess runs, Triton interpreter,
 # the fused kernel's other vector width, multi-rank, end-to-end)
 test-quick: $(STAMP)
-	$(PY) -m pytest -q -p no:cacheprovider $(WORKERS) tests/unit -m "not heavy" $(ARGS)
+	$(PY) -m pytest -q -p no:cacheprovider $(QUICK_WORKERS) tests/unit -m "not heavy" $(ARGS)
 
 bench: $(STAMP)
 	$(PY) benchmarks/throughput.py

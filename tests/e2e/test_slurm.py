@@ -9,7 +9,7 @@
   previous one and restricted to its stage with ``curriculum.only`` (checked with the jobs held, so
   nothing trains, then cancelled).
 
-One file: the tests share the session's cluster, and ``make test`` runs each file in one worker.
+The tests share the session's cluster (tests/e2e/conftest.py).
 """
 
 import json

@@ -85,10 +85,19 @@ def run_job(job: dict, emulation: str) -> dict:
 def serve(spool: str, client_pid: int, emulation: str) -> None:
     import traceback
 
+    import torch.distributed
+
     from parallel.initialize import dist_env, start_process_group
 
     env = dist_env()
-    start_process_group(env, cpu_emulation_mode=emulation)
+    for attempt in range(5):
+        try:
+            start_process_group(env, cpu_emulation_mode=emulation)
+            break
+        except torch.distributed.DistNetworkError:  # one rank: the free port it picked was taken since
+            if env.world_size > 1 or attempt == 4:
+                raise
+            env = dist_env()
     k = 0
     while (job := _next_job(os.path.join(spool, f"job-{k}.json"), client_pid)) is not None:
         try:
@@ -156,7 +165,7 @@ class RankPool:
 
 #: live pools by (ranks, emulation), least recently used first; each rank holds ~0.5 GB
 _POOLS: dict[tuple, RankPool] = {}
-MAX_POOLS = 2
+MAX_POOLS = 3
 
 
 def emulation_of(overrides: list[str]) -> str:
