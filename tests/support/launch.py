@@ -99,7 +99,7 @@ def checkpoint_tensors(ckpt_dir, scratch_dir) -> dict:
     return {k: v for k, v in tensors.items() if isinstance(v, torch.Tensor)}
 
 
-def _kill_tree(proc) -> None:
+def kill_tree(proc) -> None:
     """SIGKILL the launcher and every process under it (torchrun starts ranks in new sessions)."""
     import psutil
 
@@ -129,7 +129,7 @@ def kill_after_checkpoint(overrides: list[str], latest_file, wanted: str, nproc:
             time.sleep(0.02)
         raise AssertionError("no checkpoint appeared in time")
     finally:
-        _kill_tree(proc)
+        kill_tree(proc)
 
 
 def assert_resumed_equals_straight(straight, resumed, steps: int, scratch_dir) -> tuple[dict, dict]:

@@ -3,10 +3,11 @@ EMULATION`` (under torchrun for more ranks) runs jobs one after another in the s
 
 A fresh run process spends ~10 s of CPU importing torch and megatron-core before its first step,
 for test runs of a few seconds, and a 2-rank run pays it on both of 2 cores. A pool starts its
-ranks once per world size, CPU emulation and pytest worker, and runs each job as ``python -m pretrain.train
-OVERRIDES`` does: the same composition and checks (:func:`pretrain.train.resolve`), the same
-:func:`pretrain.train.run`, which leaves a process group it did not start (the pool's) and
-destroys everything else it built (megatron's groups, the model, the run-dir lock, its logging).
+ranks once per world size, CPU emulation and pytest process, and runs each job as
+``python -m pretrain.train OVERRIDES`` does: the same composition and checks
+(:func:`pretrain.train.resolve`), the same :func:`pretrain.train.run`, which leaves a process
+group it did not start (the pool's) and destroys everything else it built (megatron's groups,
+the model, the run-dir lock, its logging).
 
 Between jobs a rank keeps the process group and the CPU emulation, plain or strict as the pool
 was started (``parallel.cpu_emulation``: megatron keeps tensors across runs in class attributes,
@@ -156,10 +157,10 @@ class RankPool:
             return f.read()[-chars:]
 
     def close(self) -> None:
-        from tests.support.launch import _kill_tree
+        from tests.support.launch import kill_tree
 
         if self.alive():
-            _kill_tree(self.proc)
+            kill_tree(self.proc)
         shutil.rmtree(self.spool, ignore_errors=True)
 
 

@@ -74,20 +74,19 @@ def install() -> None:
         return forward(self, *args, **kwargs)
 
     def step_recorded(ddp_chunks, optimizer, scheduler, dataset, consumed_samples, trainer_cfg, *args, **kwargs):
-        if _TARGET["dir"] is None:
-            return train_step(ddp_chunks, optimizer, scheduler, dataset, consumed_samples, trainer_cfg,
-                              *args, **kwargs)
-        current["step"] = consumed_samples // trainer_cfg.global_batch_size + 1
+        if _TARGET["dir"] is not None:
+            current["step"] = consumed_samples // trainer_cfg.global_batch_size + 1
         try:
             return train_step(ddp_chunks, optimizer, scheduler, dataset, consumed_samples, trainer_cfg,
                               *args, **kwargs)
         finally:
-            current["step"] = None
-            rank = dist.get_rank() if dist.is_initialized() else 0
-            path = os.path.join(_TARGET["dir"], f"rank{rank}.json")
-            with open(path + ".tmp", "w") as f:
-                json.dump({s: sorted(d) for s, d in _TARGET["steps"].items()}, f)
-            os.replace(path + ".tmp", path)
+            if current["step"] is not None:
+                current["step"] = None
+                rank = dist.get_rank() if dist.is_initialized() else 0
+                path = os.path.join(_TARGET["dir"], f"rank{rank}.json")
+                with open(path + ".tmp", "w") as f:
+                    json.dump({s: sorted(d) for s, d in _TARGET["steps"].items()}, f)
+                os.replace(path + ".tmp", path)
 
     recording_select.records_topk = True
     attention.select_topk = recording_select

@@ -7,7 +7,7 @@ logs the straight run's numbers bit for bit.)"""
 import pytest
 
 from tests.support import rank_pool
-from tests.support.launch import quiet, run_train
+from tests.support.launch import run_train
 
 
 @pytest.mark.heavy
@@ -16,7 +16,7 @@ def test_a_failed_job_reports_its_error_and_the_next_job_runs_in_a_fresh_pool(tm
     pool = rank_pool._POOLS[1, "plain"]
     bad = [f"trainer.run_dir={tmp_path / 'b'}", "trainer.steps=2", "optimizer.lr=-1"]
     with pytest.raises(AssertionError, match=r"(?s)ConfigError: invalid run config.*optimizer\.lr=-1"):
-        rank_pool.run([*quiet(bad), *bad], nproc=1, timeout=300)
+        run_train(bad)
     assert not pool.alive()
     again = run_train([f"trainer.run_dir={tmp_path / 'c'}", "trainer.steps=2"])
     assert rank_pool._POOLS[1, "plain"] is not pool
