@@ -107,7 +107,7 @@ def run(rc: RunConfig, config_yaml: str, changes=()) -> dict:
         for note in override_notes(rc, stages, changes):
             print(f"note: {note}", file=sys.stderr, flush=True)
     from model_providers.glm5.model.specs import resolve_backend
-    from parallel.megatron_compat import release_cached_modules
+    from parallel.megatron_compat import release_cached_modules, reset_loss_trackers
     from checkpointing import state as checkpoint
     from pretrain.curriculum import where_to_begin
     from pretrain.reporting.metrics import MetricsSink
@@ -160,6 +160,7 @@ def run(rc: RunConfig, config_yaml: str, changes=()) -> dict:
         sink.event(console.stage_line(st, len(stages), how))
         run_stage(st, how, latest, ctx, save_final=rc.checkpoint.save_at_end or not last)
         release_cached_modules()
+        reset_loss_trackers()  # the next stage (or the next run in this process) starts with none
         gc.collect()  # the finished stage's model, grad buffers and optimizer, before the next
         latest, how = checkpoint.latest_checkpoint(ckpt_dir), "carry"
         if env.rank == 0 and rc.curriculum.plot and rc.curriculum.stages:

@@ -4,7 +4,8 @@ megatron-core's internals, in one package.
 - Correctness fixes, on every backend (CPU and GPU): :func:`install` (``fixes.py``,
   ``distrib_optimizer.py``, ``mtp.py``, ``micro_batch.py``), called by ``parallel.initialize``
   before any model or optimizer is built. :func:`set_mtp_block_class` is the per-model hook of
-  ``mtp.py``; :func:`release_cached_modules` empties megatron's caches.
+  ``mtp.py``; :func:`release_cached_modules` empties megatron's caches and
+  :func:`reset_loss_trackers` its per-layer loss trackers (after each stage).
 - ``micro_batch.py``: :class:`MicroBatch`, the one per-micro-batch context for what megatron's
   forward does not pass down (the document ids' host copy, the MTP shifts' document boundaries,
   the MLA intermediates the DSA core attention reads); the model's forward makes it active, and
@@ -26,8 +27,8 @@ other modules refuse a megatron-core release other than the one they were writte
 (``version.py``), so an upgrade shows which to re-check.
 """
 
-from parallel.megatron_compat.fixes import install, release_cached_modules
+from parallel.megatron_compat.fixes import install, release_cached_modules, reset_loss_trackers
 from parallel.megatron_compat.micro_batch import MicroBatch
 from parallel.megatron_compat.mtp import set_mtp_block_class
 
-__all__ = ["MicroBatch", "install", "release_cached_modules", "set_mtp_block_class"]
+__all__ = ["MicroBatch", "install", "release_cached_modules", "reset_loss_trackers", "set_mtp_block_class"]

@@ -52,6 +52,19 @@ def release_cached_modules() -> None:
             cached.cache_clear()
 
 
+def reset_loss_trackers() -> None:
+    """Drop megatron's process-global per-layer loss trackers (MoE aux losses, the DSA indexer
+    KL, MTP). ``clear_aux_losses_tracker`` zeroes their values and keeps their entries: the
+    next model in the process (a curriculum's next stage, HF evaluation) would report a tracker
+    it never filled -- a dense stage after a DSA one logged ``indexer_kl`` 0.0 -- and entries
+    are sized by the model that made them."""
+    from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+    get_moe_layer_wise_logging_tracker().clear()
+    MTPLossLoggingHelper.tracker.clear()
+
+
 def _te_probes_without_transformer_engine() -> None:
     """Without Transformer Engine, two megatron modules believe it is (half) present, on GPUs as
     on CPUs (the first GPU smoke on an H200 without TE failed here at model build):

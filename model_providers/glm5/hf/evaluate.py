@@ -16,21 +16,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from model_providers.glm5.model.config import GLM5Config, PrecisionConfig, to_transformer_config
+from parallel.megatron_compat import reset_loss_trackers
 
 
 def eval_config(cfg: GLM5Config, dsa_mode: str = "sparse", mtp_num_steps: int = 0) -> GLM5Config:
     dsa = dataclasses.replace(cfg.dsa, mode=dsa_mode, indexer_dtype="fp32")
     return dataclasses.replace(cfg, mtp_num_steps=mtp_num_steps, dsa=dsa)
-
-
-def reset_loss_trackers() -> None:
-    """Drop megatron's per-layer loss trackers (aux losses, indexer KL, MTP): they are sized by
-    the first model that used them, and evaluation never reports them."""
-    from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
-    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
-
-    get_moe_layer_wise_logging_tracker().clear()
-    MTPLossLoggingHelper.tracker.clear()
 
 
 def _mask_padded_vocab(chunks, vocab_size: int) -> None:

@@ -118,6 +118,20 @@ def test_rotary_embedding_caches_release_their_modules(one_rank):
     assert ref() is None
 
 
+def test_loss_trackers_are_dropped_not_just_zeroed():
+    """megatron's own clear keeps a tracker's entry (zeroed): the next model in the process
+    would report it; the reset drops it."""
+    import torch
+    from megatron.core.transformer.moe import moe_utils
+
+    moe_utils.save_to_aux_losses_tracker("indexer_kl", torch.tensor(0.5), 1, 2)
+    moe_utils.clear_aux_losses_tracker()
+    tracker = moe_utils.get_moe_layer_wise_logging_tracker()
+    assert float(tracker["indexer_kl"]["values"].sum()) == 0.0  # upstream: still there, zeroed
+    megatron_compat.reset_loss_trackers()
+    assert "indexer_kl" not in tracker
+
+
 def test_mla_have_te_is_false_without_transformer_engine():
     megatron_compat.install()
     from megatron.core.transformer import multi_latent_attention

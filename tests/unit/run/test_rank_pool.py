@@ -7,7 +7,7 @@ logs the straight run's numbers bit for bit.)"""
 import pytest
 
 from tests.support import rank_pool
-from tests.support.launch import run_train
+from tests.support.launch import read_metrics, run_train
 
 
 @pytest.mark.heavy
@@ -21,3 +21,14 @@ def test_a_failed_job_reports_its_error_and_the_next_job_runs_in_a_fresh_pool(tm
     again = run_train([f"trainer.run_dir={tmp_path / 'c'}", "trainer.steps=2"])
     assert rank_pool._POOLS[1, "plain"] is not pool
     assert again["final_loss"] == ok["final_loss"]  # the same seed and data: the same first step
+
+
+@pytest.mark.heavy
+def test_a_dense_run_after_a_dsa_run_in_the_same_ranks_logs_no_indexer_kl(tmp_path):
+    """megatron's per-layer loss trackers are process-global: a DSA job's indexer KL tracker
+    must not outlive it (a dense job after it logged ``indexer_kl`` 0.0 at every step)."""
+    run_train([f"trainer.run_dir={tmp_path / 'warmup'}", "trainer.steps=2", "model.dsa.mode=warmup"])
+    warmup = read_metrics(str(tmp_path / "warmup"))
+    assert "indexer_kl" in warmup[0]
+    run_train([f"trainer.run_dir={tmp_path / 'dense'}", "trainer.steps=2", "model.dsa.mode=dense"])
+    assert not [k for k in read_metrics(str(tmp_path / "dense"))[0] if k.startswith("indexer_kl")]
