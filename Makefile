@@ -5,9 +5,10 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-$(shell sha1sum pyproject.toml | cut -c1-12)
 ARGS   ?=
-# make test-quick: two pytest workers (its tests each keep one core busy; CI has two). make test
-# runs one: its multi-rank runs fill both cores, and two workers' ranks on them ran it slower
-QUICK_WORKERS ?= -n 2
+# two pytest workers on CI's two cores: each test holds one core, a multi-rank run both
+# (tests/support/core_gate.py); a test file's tests stay on one worker, which keeps the session's
+# shared runs (parity references, the Slurm cluster) made once
+WORKERS ?= -n 2 --dist loadfile
 
 .PHONY: run test test-quick bench
 
@@ -21,13 +22,13 @@ run: $(STAMP)
 	$(PY) -m pretrain.train $(ARGS)
 
 test: $(STAMP)
-	$(PY) -m pytest -q -p no:cacheprovider $(ARGS)
+	$(PY) -m pytest -q -p no:cacheprovider $(WORKERS) $(ARGS)
 
 # the one-process tests that launch nothing heavy (config, model, kernels, data): a first check in
 # a few minutes; `make test` runs these and the heavy ones (subprocess runs, Triton interpreter,
 # the fused kernel's other vector width, multi-rank, end-to-end)
 test-quick: $(STAMP)
-	$(PY) -m pytest -q -p no:cacheprovider $(QUICK_WORKERS) tests/unit -m "not heavy" $(ARGS)
+	$(PY) -m pytest -q -p no:cacheprovider $(WORKERS) tests/unit -m "not heavy" $(ARGS)
 
 bench: $(STAMP)
 	$(PY) benchmarks/throughput.py

@@ -1,4 +1,38 @@
-"""Session set-up shared by every test directory."""
+"""Session set-up shared by every test directory, and the cores each test holds under
+pytest-xdist (:mod:`tests.support.core_gate`)."""
+
+import os
+import sys
+
+import pytest
+
+from tests.support import core_gate
+
+if core_gate.active():  # two workers on two cores: a one-rank run, like each test, keeps one busy
+    os.environ["OMP_NUM_THREADS"] = "1"
+
+
+@pytest.fixture(autouse=True)
+def _no_megatron_loss_scale_left():
+    """megatron keeps the MoE aux loss's (and DSA's indexer loss's) backward scale in a class
+    attribute whose shape its first user sets: a backward outside megatron's schedule makes it
+    ``[]``, the schedule copies ``[1]`` into it and fails. Each test leaves none behind, whatever
+    ran before it in its worker."""
+    yield
+    for module, cls in (("megatron.core.transformer.moe.moe_utils", "MoEAuxLossAutoScaler"),
+                        ("megatron.core.transformer.experimental_attention_variant.dsa",
+                         "DSAIndexerLossAutoScaler")):
+        if module in sys.modules:
+            getattr(sys.modules[module], cls).main_loss_backward_scale = None
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Set-up, call and teardown of a test hold its cores: one, or every one if it is marked
+    ``all_cores``; a multi-rank run inside a one-core test takes every core for its duration
+    (the launch helpers and the rank pools call :func:`.core_gate.whole_machine`)."""
+    with core_gate.hold(all_cores=item.get_closest_marker("all_cores") is not None):
+        return (yield)
 
 
 def pytest_sessionstart(session):

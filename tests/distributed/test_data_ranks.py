@@ -38,6 +38,7 @@ def _worker(rank: int, world: int, init_file: str, good: dict, bad: dict, run_di
 
 
 @pytest.mark.heavy
+@pytest.mark.all_cores  # two spawned ranks
 def test_rank0_preprocesses_others_wait_and_errors_reach_all(tmp_path):
     f = write_jsonl(tmp_path / "good.jsonl", [{"text": f"sample text number {i} " * 5} for i in range(200)])
     b = write_jsonl(tmp_path / "bad.jsonl", [{"text": "fine"}] * 20 + [{"content": "no text"}])

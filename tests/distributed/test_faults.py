@@ -91,6 +91,7 @@ def test_bad_steps_in_a_row_reload_last_checkpoint(tmp_path):
 
 
 @pytest.mark.heavy
+@pytest.mark.all_cores  # a two-rank run of its own
 def test_sigterm_to_one_rank_stops_all_at_the_same_step(tmp_path):
     """SIGTERM reaches only rank 1 of 2 (torchrun, no Slurm): the ranks agree to stop after the
     same step, the checkpoint of that step is complete, and the ranks exit with 75."""

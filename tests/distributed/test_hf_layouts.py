@@ -6,6 +6,7 @@ gives back the original HF tensors."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -18,7 +19,7 @@ import torch
 from omegaconf import OmegaConf
 
 from tests.support.launch import REPO, checkpoint_tensors, free_port, run_train, train_env
-from tests.support import hf as hs
+from tests.support import core_gate, hf as hs
 REL_LAYOUT = 1e-5  #: between our layouts (fp32; only reduction order differs)
 REL_HF = 1e-4  #: ours vs transformers
 
@@ -28,7 +29,8 @@ def _cli(args: list[str], nproc: int = 1) -> dict:
     cmd = [sys.executable, *module] if nproc == 1 else [
         sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
         f"--master-port={free_port()}", *module]
-    proc = subprocess.run(cmd, cwd=REPO, env=train_env(nproc), capture_output=True, text=True, timeout=600)
+    with core_gate.whole_machine() if nproc > 1 else contextlib.nullcontext():
+        proc = subprocess.run(cmd, cwd=REPO, env=train_env(nproc), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, f"{cmd}\n{proc.stdout[-2000:]}\n{proc.stderr[-6000:]}"
     return json.loads(proc.stdout.strip().splitlines()[-1])
 

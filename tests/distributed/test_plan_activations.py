@@ -17,6 +17,8 @@ import pytest
 
 from tests.support.launch import REPO, train_env
 
+pytestmark = pytest.mark.all_cores  # a one-rank and a two-rank launch at once
+
 TOLERANCE = 0.15
 BASE = ["curriculum=none", "logger.wandb.mode=disabled", "trainer.micro_batch_size=1"]
 TWO_LAYERS = "model.num_layers=2 trainer.global_batch_size=1"  # one dense-FFN, one MoE layer

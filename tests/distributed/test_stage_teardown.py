@@ -10,6 +10,8 @@ import pytest
 
 from tests.support.launch import REPO, free_port, quiet, train_env
 
+pytestmark = pytest.mark.all_cores  # a two-rank run of its own
+
 STAGES = """
 stages:
   - {name: dp2_a, steps: 1, seq_length: 64, global_batch_size: 4, micro_batch_size: 2,

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import time
 
@@ -32,6 +33,7 @@ def finished_run(tmp_path_factory):
     return run_dir
 
 
+@pytest.mark.all_cores  # a one-rank run and a two-rank one at once
 def test_a_second_run_on_a_live_run_dir_waits_then_refuses_on_every_rank(tmp_path):
     run_dir = tmp_path / "run"
     first = subprocess.Popen(train_command([*QUIET, f"trainer.run_dir={run_dir}", "trainer.steps=12"]),
@@ -44,8 +46,12 @@ def test_a_second_run_on_a_live_run_dir_waits_then_refuses_on_every_rank(tmp_pat
     assert lock.exists(), first.communicate()
     holder = json.loads(lock.read_text())
     assert holder["pid"] == first.pid
-    second = _run([f"trainer.run_dir={run_dir}", "trainer.steps=12", "trainer.lock_wait_s=2",
-                   "parallel=dp2_distopt"], nproc=2)
+    os.kill(first.pid, signal.SIGSTOP)  # the holder stays live (its process exists) until the second gives up
+    try:
+        second = _run([f"trainer.run_dir={run_dir}", "trainer.steps=12", "trainer.lock_wait_s=2",
+                       "parallel=dp2_distopt"], nproc=2)
+    finally:
+        os.kill(first.pid, signal.SIGCONT)
     out, err = first.communicate(timeout=600)
     assert first.returncode == 0, out[-2000:] + err[-4000:]
     assert second.returncode != 0

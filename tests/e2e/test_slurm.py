@@ -23,6 +23,8 @@ import pytest
 from tests.support import wandb_offline
 from tests.support.launch import REPO, read_metrics, run_train
 
+pytestmark = pytest.mark.all_cores  # 4-rank runs, under sbatch and torchrun
+
 STEPS = 6
 COMMON = [f"trainer.steps={STEPS}", "trainer.global_batch_size=8", "trainer.micro_batch_size=2",
           "trainer.seq_length=64", "scheduler.warmup_steps=1", "logger.progress_bar=false",

@@ -194,6 +194,7 @@ def main(out_path: str, base: list[str], cases: list[str]) -> None:
 
     env = dist_env()
     results = []
+    gc.freeze()  # the imported modules: each case's collections scan only what the cases made
     for case, rc in zip(cases, case_configs(base, cases)):
         peak = measure(rc, env)
         mine = {"rank": env.rank, "pp_rank": parallel_state.get_pipeline_model_parallel_rank(),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -10,6 +11,7 @@ import sys
 import time
 
 from parallel.initialize import free_port
+from tests.support import core_gate
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -57,8 +59,9 @@ def run_train(overrides: list[str], nproc: int = 1, timeout: int = 600, digest_d
 def run_in_new_processes(overrides: list[str], nproc: int = 1, timeout: int = 600) -> dict:
     """:func:`run_train` in processes of its own, for what a process does from its start (a
     rank's log holds the libraries' import-time records). Returns the JSON summary."""
-    proc = subprocess.run(train_command([*quiet(overrides), *overrides], nproc), cwd=REPO,
-                          env=train_env(nproc), capture_output=True, text=True, timeout=timeout)
+    with core_gate.whole_machine() if nproc > 1 else contextlib.nullcontext():
+        proc = subprocess.run(train_command([*quiet(overrides), *overrides], nproc), cwd=REPO,
+                              env=train_env(nproc), capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
         raise AssertionError(f"training failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -118,6 +121,11 @@ def kill_tree(proc) -> None:
 def kill_after_checkpoint(overrides: list[str], latest_file, wanted: str, nproc: int = 1,
                           timeout: int = 600) -> None:
     """Start a run and SIGKILL all of it as soon as ``latest_file`` names checkpoint ``wanted``."""
+    with core_gate.whole_machine() if nproc > 1 else contextlib.nullcontext():
+        _kill_after_checkpoint(overrides, latest_file, wanted, nproc, timeout)
+
+
+def _kill_after_checkpoint(overrides, latest_file, wanted, nproc, timeout) -> None:
     proc = subprocess.Popen(train_command([*quiet(overrides), *overrides], nproc), cwd=REPO, env=train_env(nproc),
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + timeout

@@ -24,6 +24,7 @@ Protocol (files in SPOOL, each written whole with a rename): the client writes `
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import os
 import shutil
@@ -178,7 +179,15 @@ def emulation_of(overrides: list[str]) -> str:
 def run(overrides: list[str], nproc: int, timeout: float, digest_dir=None) -> dict:
     """A run's JSON summary, from this session's pool of ``nproc`` ranks under the run's CPU
     emulation (started when there is none, or when the last one ended with a failed job; the
-    least recently used one is closed beyond :data:`MAX_POOLS`). Raises AssertionError on failure."""
+    least recently used one is closed beyond :data:`MAX_POOLS`). A multi-rank run holds every
+    core meanwhile (:func:`.core_gate.whole_machine`). Raises AssertionError on failure."""
+    from tests.support import core_gate
+
+    with core_gate.whole_machine() if nproc > 1 else contextlib.nullcontext():
+        return _run(overrides, nproc, timeout, digest_dir)
+
+
+def _run(overrides: list[str], nproc: int, timeout: float, digest_dir) -> dict:
     key = (nproc, emulation_of(overrides))
     pool = _POOLS.pop(key, None)
     if pool is None or not pool.alive():

@@ -18,7 +18,7 @@ import time
 
 import pytest
 
-pytestmark = pytest.mark.heavy  # one training-entry subprocess per bad input
+pytestmark = [pytest.mark.heavy, pytest.mark.all_cores]  # one training-entry subprocess per bad input, all at once
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
 TIMEOUT_S = 300

@@ -263,8 +263,11 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
 
 @pytest.fixture(scope="module")
 def two_rank_views(tmp_path_factory):
+    from tests.support import core_gate
+
     out = tmp_path_factory.mktemp("tp_attributes")
-    torch.multiprocessing.spawn(_worker, args=(free_port(), str(out)), nprocs=2, join=True)
+    with core_gate.whole_machine():
+        torch.multiprocessing.spawn(_worker, args=(free_port(), str(out)), nprocs=2, join=True)
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
 
 
