@@ -238,5 +238,33 @@ def main(cfg: DictConfig) -> None:
         raise SystemExit(f"error: {summary['diverged']}")
 
 
+def hydra_problem(overrides: list[str]) -> "str | None":
+    """Hydra's own refusal of the command line (an unknown key or config option, a value of the
+    wrong type, override syntax) as one line, or None. Composed once before the app so these
+    read like every other config error (``error: ...``, exit status 1) instead of Hydra's
+    multi-line report."""
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        compose(overrides)
+    except (HydraException, OmegaConfBaseException) as e:
+        text = str(e).split("\nConfig search path")[0]
+        if e.__cause__ is not None and str(e.__cause__):  # what was wrong with the key or value
+            text += "\n\n" + str(e.__cause__).splitlines()[0]
+        sentences = []
+        for paragraph in text.split("\n\n"):
+            lines = [ln.strip() for ln in paragraph.splitlines() if ln.strip()]
+            if lines and lines[0].endswith(":"):  # a heading and its list: "options in 'x': a, b"
+                lines = [f"{lines[0]} {', '.join(lines[1:])}"]
+            sentences += [ln if ln.endswith((".", ":")) else ln + "." for ln in lines]
+        return " ".join(sentences)
+    return None
+
+
 if __name__ == "__main__":
+    if not any(a.startswith("-") for a in sys.argv[1:]):  # Hydra's own flags (--help, --cfg) go to Hydra
+        problem = hydra_problem(sys.argv[1:])
+        if problem:
+            raise SystemExit(f"error: {problem}")
     main()

@@ -41,6 +41,12 @@ CASES = {
         ["curriculum.stages[0] (pretrain_general).lr.peak=nan must be a finite number",
          "curriculum.stages[3] (extend_512).lr.end=inf must be a finite number"]),
     "empty_run_dir": (["trainer.run_dir="], ["trainer.run_dir='' is empty"]),
+    # Hydra's own refusals, as one line too
+    "unknown_key": (["trainer.stepz=3"], ["Could not override 'trainer.stepz'", "Key 'stepz' not in 'TrainerConfig'"]),
+    "unknown_option": (["parallel=nonexistent"], ["Could not find 'parallel/nonexistent'",
+                                                  "Available options in 'parallel': cp2, cp2_tp2,"]),
+    "wrong_type": (["trainer.steps=abc"], ["trainer.steps=abc", "'abc' of type 'str' could not be converted to Integer"]),
+    "override_syntax": (["trainer.steps=[1"], ["no viable alternative at input '[1'"]),
     "run_dir_is_cwd": (["trainer.run_dir=."], ["trainer.run_dir='.' is the current directory {tmp}/cwd"]),
     "run_dir_is_a_file": (["trainer.run_dir={tmp}/notes.txt"],
                           ["trainer.run_dir='{tmp}/notes.txt': {tmp}/notes.txt exists and is not a folder"]),
