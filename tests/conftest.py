@@ -6,6 +6,7 @@ import sys
 
 import pytest
 
+import parallel.megatron_compat  # noqa: F401 -- before any test module imports megatron-core
 from tests.support import core_gate
 
 if core_gate.active():  # two workers on two cores: a one-rank run, like each test, keeps one busy

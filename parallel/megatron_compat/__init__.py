@@ -19,6 +19,9 @@ megatron-core's internals, in one package.
 - ``meta_rank.py``: megatron's private ``parallel_state`` globals, ``torch.distributed``'s default
   group and ``torch.cuda.current_device`` as one rank of a layout sees them, without process
   groups, for the planner's meta builds (restored on exit).
+- ``jit_fusers.py``: megatron's ``torch.compile`` decorator made a plain one without CUDA, before
+  megatron is imported (it costs every CPU process ~1.8 s of its start); installed when this
+  package is imported, which every package importing megatron does first.
 - CPU emulation, only without CUDA: ``cpu_emulation.py`` (CUDA on CPU ranks) and
   ``strict_cuda.py`` (fail where CUDA would), installed by ``cpu_emulation.install``.
 
@@ -27,8 +30,12 @@ other modules refuse a megatron-core release other than the one they were writte
 (``version.py``), so an upgrade shows which to re-check.
 """
 
-from parallel.megatron_compat.fixes import install, release_cached_modules, reset_loss_trackers
-from parallel.megatron_compat.micro_batch import MicroBatch
-from parallel.megatron_compat.mtp import set_mtp_block_class
+from parallel.megatron_compat import jit_fusers
+
+jit_fusers.install()  # first: before megatron-core's first import (jit_fusers.py says why)
+
+from parallel.megatron_compat.fixes import install, release_cached_modules, reset_loss_trackers  # noqa: E402
+from parallel.megatron_compat.micro_batch import MicroBatch  # noqa: E402
+from parallel.megatron_compat.mtp import set_mtp_block_class  # noqa: E402
 
 __all__ = ["MicroBatch", "install", "release_cached_modules", "reset_loss_trackers", "set_mtp_block_class"]

@@ -654,3 +654,74 @@ def test_te_checkpoint_runs_its_function_under_the_micro_batch_of_its_forward():
     with mb.active():
         assert bound(lambda x, y=0: (current(), x + y), 1, y=2) == (mb, 3)
     assert current() is None and kept[0](1)[0] is mb
+
+
+# --- megatron's jit_fuser, plain without CUDA (jit_fusers.py) ----------------------------------
+
+PROJECT_PACKAGES = ("checkpointing", "data_pipeline", "model_providers", "parallel", "planner", "pretrain")
+
+
+def test_every_package_importing_megatron_installs_the_plain_jit_fuser_first():
+    """Each module that imports megatron-core on import lives in a package whose ``__init__``
+    imports ``parallel.megatron_compat`` (which installs :mod:`.jit_fusers`' finder before anything
+    else): a new module cannot bring megatron in ahead of it."""
+    import ast
+    from pathlib import Path
+
+    root = Path(megatron_compat.__file__).parents[2]
+    late = []
+    for package in PROJECT_PACKAGES:
+        init = ast.parse((root / package / "__init__.py").read_text())
+        first = {a.name for node in init.body if isinstance(node, ast.Import) for a in node.names}
+        for path in (root / package).rglob("*.py"):
+            tree = ast.parse(path.read_text())
+            imports_megatron = any(
+                (isinstance(n, ast.ImportFrom) and (n.module or "").startswith("megatron"))
+                or (isinstance(n, ast.Import) and any(a.name.startswith("megatron") for a in n.names))
+                for n in tree.body)
+            if imports_megatron and "parallel.megatron_compat" not in first:
+                late.append(str(path.relative_to(root)))
+    assert not late, f"megatron imported before parallel.megatron_compat can install jit_fusers: {late}"
+
+
+@pytest.mark.parametrize("cuda, version, plain", [(False, "0.16.1", True), (True, "0.16.1", False),
+                                                  (False, "0.17.0", False)])
+def test_jit_fuser_is_made_plain_only_without_cuda_on_the_release_it_was_written_for(
+        monkeypatch, cuda, version, plain):
+    from megatron.core import package_info
+
+    from parallel.megatron_compat import jit_fusers
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    monkeypatch.setattr(package_info, "__version__", version)
+    calls = []
+    jit_fusers._plain_without_cuda(SimpleNamespace(disable_jit_fuser=lambda: calls.append(1)))
+    assert calls == ([1] if plain else [])
+
+
+@pytest.mark.heavy
+def test_a_cpu_process_importing_the_project_first_never_imports_inductor():
+    """A fresh interpreter as a training process starts: megatron comes in through the project's
+    packages, its ``jit_fuser`` is plain, SwiGLU is a plain function (numerically the same), and
+    neither dynamo's compile nor inductor is imported (~1.8 s of every CPU process's start)."""
+    probe = """
+import json, sys
+import pretrain.train
+from model_providers.glm5.model import specs  # noqa: F401 -- imports megatron's fused ops
+import torch
+from megatron.core import jit
+from megatron.core.fusions.fused_bias_swiglu import swiglu
+from parallel.megatron_compat import jit_fusers
+y = torch.randn(3, 8)
+print(json.dumps({"plain": jit.jit_fuser is jit.noop_decorator,
+                  "compiled": hasattr(swiglu, "_torchdynamo_orig_callable"),
+                  "same": bool(torch.equal(swiglu(y), torch.nn.functional.silu(y[:, :4]) * y[:, 4:])),
+                  "inductor": "torch._inductor" in sys.modules, "installed_again": jit_fusers.install()}))
+"""
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300,
+                         cwd=os.path.dirname(os.path.dirname(os.path.dirname(megatron_compat.__file__))))
+    assert out.returncode == 0, out.stderr[-3000:]
+    import json
+
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == {
+        "plain": True, "compiled": False, "same": True, "inductor": False, "installed_again": False}
