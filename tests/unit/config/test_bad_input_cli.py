@@ -5,8 +5,9 @@ current directory, an existing file left as it was. A checkpoint of another mode
 ``checkpoint.init_from`` is refused the same way, from the checkpoint's metadata, before the run
 dir exists.
 
-Every case is one ``python -m pretrain.train`` process, started together (each stops at
-validation: it is the imports' time), from an empty current directory that must stay empty.
+Every case is one ``python -m pretrain.train`` process (each stops at validation: it is the
+imports' time, ~3 s), from an empty current directory that must stay empty; they run one after
+another on the test's core, next to the one checkpoint run started first.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import time
 
 import pytest
 
-pytestmark = [pytest.mark.heavy, pytest.mark.all_cores]  # one training-entry subprocess per bad input, all at once
+pytestmark = pytest.mark.heavy  # one training-entry subprocess per bad input
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
 TIMEOUT_S = 300
@@ -72,7 +73,7 @@ def _env() -> dict:
 
 
 def _start(args: list[str], cwd: str, log: str) -> subprocess.Popen:
-    with open(log, "w") as out:  # a file, not a pipe: many processes run at once
+    with open(log, "w") as out:  # a file, not a pipe: the checkpoint run's output is read at its end
         return subprocess.Popen([sys.executable, "-m", "pretrain.train", "logger.wandb.mode=disabled", *args],
                                 cwd=cwd, env=_env(), stdout=out, stderr=subprocess.STDOUT)
 
@@ -89,13 +90,13 @@ def _finish(proc: subprocess.Popen, log: str) -> tuple[int, str]:
 
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory):
-    """Every case's process (and the checkpoint run), started at once; ``result(case)`` waits
-    for one and returns ``(exit status, output, seconds, the case's folder)``."""
+    """``result(case)`` runs a case's process (once) and returns ``(exit status, output, seconds,
+    the case's folder, the checkpoint run's folder)``; the checkpoint run starts at once."""
     root = tmp_path_factory.mktemp("bad_input")
     ckpt = root / "ckpt_run"
     ckpt_log = str(root / "ckpt_run.log")
     ckpt_proc = _start([f"trainer.run_dir={ckpt}", *CHECKPOINT_RUN], REPO, ckpt_log)
-    procs, t0 = {}, time.monotonic()
+    procs = {}
 
     def start(case):
         tmp = root / case
@@ -107,9 +108,6 @@ def launched(tmp_path_factory):
             args.append(f"trainer.run_dir={tmp / 'run'}")
         procs[case] = (_start(args, str(tmp / "cwd"), str(tmp / "log")), tmp)
 
-    for case in CASES:
-        if case != "init_from_other_shape":
-            start(case)
     done = {}
 
     def result(case):
@@ -117,12 +115,11 @@ def launched(tmp_path_factory):
             if case == "init_from_other_shape":
                 status, out = _finish(ckpt_proc, ckpt_log)
                 assert status == 0 and (ckpt / "checkpoints" / "iter_0000001").is_dir(), out[-3000:]
-                start(case)
-            proc, tmp = procs[case]
             began = time.monotonic()
+            start(case)
+            proc, tmp = procs[case]
             status, out = _finish(proc, str(tmp / "log"))
-            done[case] = (status, out, time.monotonic() - (began if case == "init_from_other_shape" else t0),
-                          tmp, ckpt)
+            done[case] = (status, out, time.monotonic() - began, tmp, ckpt)
         return done[case]
 
     yield result
