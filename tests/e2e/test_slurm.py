@@ -9,7 +9,8 @@
   previous one and restricted to its stage with ``curriculum.only`` (checked with the jobs held, so
   nothing trains, then cancelled).
 
-The tests share the session's cluster (tests/e2e/conftest.py).
+The tests share the session's cluster (tests/e2e/conftest.py), started by the first one on one
+core: the tests that train hold every core and come last.
 """
 
 import json
@@ -22,8 +23,6 @@ import pytest
 
 from tests.support import wandb_offline
 from tests.support.launch import REPO, read_metrics, run_train
-
-pytestmark = pytest.mark.all_cores  # 4-rank runs, under sbatch and torchrun
 
 STEPS = 6
 COMMON = [f"trainer.steps={STEPS}", "trainer.global_batch_size=8", "trainer.micro_batch_size=2",
@@ -62,66 +61,6 @@ def _assert_same_steps(want, have):
     for a, b in zip(want, have):
         for key in EXACT:
             assert a[key] == b[key], (a["step"], key, a[key], b[key])
-
-
-@pytest.mark.heavy
-def test_sbatch_four_tasks_matches_torchrun(slurm, reference, tmp_path):
-    run_dir = tmp_path / "run"
-    job, log = _sbatch(slurm, tmp_path, "glm5-sbatch", [*COMMON, f"trainer.run_dir={run_dir}"])
-    info = slurm.wait(job, timeout=600)
-    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", (info, log.read_text()[-4000:])
-    assert info["NumTasks"] == "4"
-    summary = _summary(log)
-    assert summary["world_size"] == 4 and summary["steps"] == STEPS and not summary["preempted"]
-    metrics = read_metrics(str(run_dir))
-    _assert_same_steps(reference, metrics)
-
-    (offline,) = (run_dir / "wandb").glob("offline-run-*")
-    recs = wandb_offline.records(str(offline))
-    assert wandb_offline.run_id(recs) == (run_dir / "wandb" / "run_id").read_text()
-    (run,) = [r["run"] for r in recs if r["type"] == "run"]
-    assert run["config"]["update"]["trainer"]["steps"] == STEPS  # the resolved config
-    logged = wandb_offline.history(recs)
-    assert sorted(logged) == list(range(1, STEPS + 1))
-    for rec in metrics:
-        expected = {k: v for k, v in rec.items() if v is not None}
-        assert expected.keys() <= logged[rec["step"]].keys(), expected.keys() - logged[rec["step"]].keys()
-        for key in ("loss", "lm_loss", "mtp_loss", "grad_norm", "lr", "stage", "moe_load_imbalance",
-                    "tokens_code", "consumed_tokens"):
-            assert logged[rec["step"]][key] == expected[key], (rec["step"], key)
-
-
-@pytest.mark.heavy
-def test_usr1_preemption_requeues_and_resumes(slurm, reference, tmp_path):
-    run_dir = tmp_path / "run"
-    job, log = _sbatch(slurm, tmp_path, "glm5-preempt", [*COMMON, f"trainer.run_dir={run_dir}"])
-    deadline = time.time() + 400
-    while not (run_dir / "metrics.jsonl").exists() or len(read_metrics(str(run_dir))) < 2:
-        info = slurm.job(job)
-        assert info["JobState"] in ("PENDING", "RUNNING", "CONFIGURING"), (info, log.read_text()[-4000:])
-        assert time.time() < deadline, "no second step within 400 s"
-        time.sleep(0.5)
-    slurm.signal_batch(job, "USR1")
-    info = slurm.wait(job, timeout=600)
-    text = log.read_text()
-    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", (info, text[-4000:])
-    assert info["Restarts"] == "1", info
-    assert "got SIGUSR1" in text and "requeueing job" in text, text[-4000:]
-
-    summaries = [json.loads(ln) for ln in text.splitlines() if ln.startswith("{\"run_dir\"")]
-    assert len(summaries) == 2, text[-4000:]
-    first, final = summaries
-    assert first["preempted"] and 2 <= first["steps"] < STEPS, first
-    assert not final["preempted"] and final["steps"] == STEPS
-    assert (run_dir / "checkpoints" / f"iter_{first['steps']:07d}" / "manifest.json").exists()
-    _assert_same_steps(reference, read_metrics(str(run_dir)))
-
-    runs = sorted((run_dir / "wandb").glob("offline-run-*"))
-    assert len(runs) == 2, runs  # one per job attempt
-    ids = {wandb_offline.run_id(wandb_offline.records(str(r))) for r in runs}
-    assert ids == {(run_dir / "wandb" / "run_id").read_text()}
-    resumed = wandb_offline.history(wandb_offline.records(str(runs[1])))
-    assert sorted(resumed) == list(range(first["steps"] + 1, STEPS + 1))
 
 
 def test_stages_are_chained_with_afterok(slurm, tmp_path):
@@ -164,3 +103,65 @@ def test_stage_names_come_from_the_composed_config(slurm, tmp_path):
             "dsa_warmup", "dsa_sparse"]
     finally:
         subprocess.run(["scancel", *[job for _, job in submitted]], env=slurm.env, timeout=30)
+
+
+@pytest.mark.heavy
+@pytest.mark.all_cores  # a 4-task job
+def test_sbatch_four_tasks_matches_torchrun(slurm, reference, tmp_path):
+    run_dir = tmp_path / "run"
+    job, log = _sbatch(slurm, tmp_path, "glm5-sbatch", [*COMMON, f"trainer.run_dir={run_dir}"])
+    info = slurm.wait(job, timeout=600)
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", (info, log.read_text()[-4000:])
+    assert info["NumTasks"] == "4"
+    summary = _summary(log)
+    assert summary["world_size"] == 4 and summary["steps"] == STEPS and not summary["preempted"]
+    metrics = read_metrics(str(run_dir))
+    _assert_same_steps(reference, metrics)
+
+    (offline,) = (run_dir / "wandb").glob("offline-run-*")
+    recs = wandb_offline.records(str(offline))
+    assert wandb_offline.run_id(recs) == (run_dir / "wandb" / "run_id").read_text()
+    (run,) = [r["run"] for r in recs if r["type"] == "run"]
+    assert run["config"]["update"]["trainer"]["steps"] == STEPS  # the resolved config
+    logged = wandb_offline.history(recs)
+    assert sorted(logged) == list(range(1, STEPS + 1))
+    for rec in metrics:
+        expected = {k: v for k, v in rec.items() if v is not None}
+        assert expected.keys() <= logged[rec["step"]].keys(), expected.keys() - logged[rec["step"]].keys()
+        for key in ("loss", "lm_loss", "mtp_loss", "grad_norm", "lr", "stage", "moe_load_imbalance",
+                    "tokens_code", "consumed_tokens"):
+            assert logged[rec["step"]][key] == expected[key], (rec["step"], key)
+
+
+@pytest.mark.heavy
+@pytest.mark.all_cores  # a 4-task job, twice
+def test_usr1_preemption_requeues_and_resumes(slurm, reference, tmp_path):
+    run_dir = tmp_path / "run"
+    job, log = _sbatch(slurm, tmp_path, "glm5-preempt", [*COMMON, f"trainer.run_dir={run_dir}"])
+    deadline = time.time() + 400
+    while not (run_dir / "metrics.jsonl").exists() or len(read_metrics(str(run_dir))) < 2:
+        info = slurm.job(job)
+        assert info["JobState"] in ("PENDING", "RUNNING", "CONFIGURING"), (info, log.read_text()[-4000:])
+        assert time.time() < deadline, "no second step within 400 s"
+        time.sleep(0.5)
+    slurm.signal_batch(job, "USR1")
+    info = slurm.wait(job, timeout=600)
+    text = log.read_text()
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", (info, text[-4000:])
+    assert info["Restarts"] == "1", info
+    assert "got SIGUSR1" in text and "requeueing job" in text, text[-4000:]
+
+    summaries = [json.loads(ln) for ln in text.splitlines() if ln.startswith("{\"run_dir\"")]
+    assert len(summaries) == 2, text[-4000:]
+    first, final = summaries
+    assert first["preempted"] and 2 <= first["steps"] < STEPS, first
+    assert not final["preempted"] and final["steps"] == STEPS
+    assert (run_dir / "checkpoints" / f"iter_{first['steps']:07d}" / "manifest.json").exists()
+    _assert_same_steps(reference, read_metrics(str(run_dir)))
+
+    runs = sorted((run_dir / "wandb").glob("offline-run-*"))
+    assert len(runs) == 2, runs  # one per job attempt
+    ids = {wandb_offline.run_id(wandb_offline.records(str(r))) for r in runs}
+    assert ids == {(run_dir / "wandb" / "run_id").read_text()}
+    resumed = wandb_offline.history(wandb_offline.records(str(runs[1])))
+    assert sorted(resumed) == list(range(first["steps"] + 1, STEPS + 1))
