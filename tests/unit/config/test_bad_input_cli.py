@@ -96,9 +96,9 @@ def launched(tmp_path_factory):
     ckpt = root / "ckpt_run"
     ckpt_log = str(root / "ckpt_run.log")
     ckpt_proc = _start([f"trainer.run_dir={ckpt}", *CHECKPOINT_RUN], REPO, ckpt_log)
-    procs = {}
+    done = {}
 
-    def start(case):
+    def run(case):
         tmp = root / case
         (tmp / "cwd").mkdir(parents=True)
         (tmp / "notes.txt").write_text(NOTES)
@@ -106,26 +106,19 @@ def launched(tmp_path_factory):
         args = [a.format(tmp=tmp, ckpt=ckpt) for a in overrides]
         if not any(a.startswith("trainer.run_dir=") for a in args):
             args.append(f"trainer.run_dir={tmp / 'run'}")
-        procs[case] = (_start(args, str(tmp / "cwd"), str(tmp / "log")), tmp)
-
-    done = {}
+        began = time.monotonic()
+        status, out = _finish(_start(args, str(tmp / "cwd"), str(tmp / "log")), str(tmp / "log"))
+        return status, out, time.monotonic() - began, tmp, ckpt
 
     def result(case):
         if case not in done:
             if case == "init_from_other_shape":
                 status, out = _finish(ckpt_proc, ckpt_log)
                 assert status == 0 and (ckpt / "checkpoints" / "iter_0000001").is_dir(), out[-3000:]
-            began = time.monotonic()
-            start(case)
-            proc, tmp = procs[case]
-            status, out = _finish(proc, str(tmp / "log"))
-            done[case] = (status, out, time.monotonic() - began, tmp, ckpt)
+            done[case] = run(case)
         return done[case]
 
     yield result
-    for proc, _ in procs.values():
-        if proc.poll() is None:
-            proc.kill()
     if ckpt_proc.poll() is None:
         ckpt_proc.kill()
 
