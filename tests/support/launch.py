@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 from parallel.initialize import free_port
@@ -120,24 +121,32 @@ def kill_tree(proc) -> None:
 
 def kill_after_checkpoint(overrides: list[str], latest_file, wanted: str, nproc: int = 1,
                           timeout: int = 600) -> None:
-    """Start a run and SIGKILL all of it as soon as ``latest_file`` names checkpoint ``wanted``."""
+    """Start a run and SIGKILL all of it once ``latest_file`` names checkpoint ``wanted``. Its ranks
+    freeze right after that save (:mod:`.stop_at_checkpoint`), so the kill always lands between
+    that checkpoint and the next, however busy the machine."""
     with core_gate.whole_machine() if nproc > 1 else contextlib.nullcontext():
         _kill_after_checkpoint(overrides, latest_file, wanted, nproc, timeout)
 
 
 def _kill_after_checkpoint(overrides, latest_file, wanted, nproc, timeout) -> None:
-    proc = subprocess.Popen(train_command([*quiet(overrides), *overrides], nproc), cwd=REPO, env=train_env(nproc),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    launcher = ("-m", "tests.support.stop_at_checkpoint", f"--stop-after={wanted}")
+    log = tempfile.TemporaryFile("w+")  # not a pipe: a full pipe would block the run
+    proc = subprocess.Popen(train_command([*quiet(overrides), *overrides], nproc, launcher), cwd=REPO,
+                            env=train_env(nproc), stdout=subprocess.DEVNULL, stderr=log)
     deadline = time.time() + timeout
     try:
         while time.time() < deadline:
             if latest_file.exists() and latest_file.read_text().strip() == wanted:
                 return
-            assert proc.poll() is None, "the run ended before it could be killed"
-            time.sleep(0.02)
-        raise AssertionError("no checkpoint appeared in time")
+            if proc.poll() is not None:
+                log.seek(0)
+                raise AssertionError(f"the run ended ({proc.returncode}) before checkpoint {wanted}:\n"
+                                     f"{log.read()[-6000:]}")
+            time.sleep(0.05)
+        raise AssertionError(f"checkpoint {wanted} did not appear in {timeout} s")
     finally:
         kill_tree(proc)
+        log.close()
 
 
 def assert_resumed_equals_straight(straight, resumed, steps: int, scratch_dir) -> tuple[dict, dict]:
