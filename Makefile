@@ -5,7 +5,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-$(shell sha1sum pyproject.toml | cut -c1-12)
 ARGS   ?=
-# two pytest workers on CI's two cores: each test holds one core, a multi-rank run both
+# two pytest workers on CI's two cores: one multi-rank run at a time, one-process tests beside it
 # (tests/support/core_gate.py); a test file's tests stay on one worker, which keeps the session's
 # shared runs (parity references, the Slurm cluster) made once
 WORKERS ?= -n 2 --dist loadfile

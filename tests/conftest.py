@@ -1,4 +1,4 @@
-"""Session set-up shared by every test directory, and the cores each test holds under
+"""Session set-up shared by every test directory, and the rank slot multi-rank tests hold under
 pytest-xdist (:mod:`tests.support.core_gate`)."""
 
 import os
@@ -29,9 +29,9 @@ def _no_megatron_loss_scale_left():
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_protocol(item, nextitem):
-    """Set-up, call and teardown of a test hold its cores: one, or every one if it is marked
-    ``all_cores``; a multi-rank run inside a one-core test takes every core for its duration
-    (the launch helpers and the rank pools call :func:`.core_gate.whole_machine`)."""
+    """Set-up, call and teardown of a test marked ``all_cores`` hold the rank slot (one multi-rank
+    run at a time across workers); a multi-rank run inside any other test holds it for its
+    duration (the launch helpers and the rank pools call :func:`.core_gate.whole_machine`)."""
     with core_gate.hold(all_cores=item.get_closest_marker("all_cores") is not None):
         return (yield)
 

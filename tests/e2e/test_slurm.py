@@ -9,8 +9,8 @@
   previous one and restricted to its stage with ``curriculum.only`` (checked with the jobs held, so
   nothing trains, then cancelled).
 
-The tests share the session's cluster (tests/e2e/conftest.py), started by the first one on one
-core: the tests that train hold every core and come last.
+The tests share the session's cluster (tests/e2e/conftest.py), started by the first one, a
+one-process test: the tests that train hold the rank slot and come last.
 """
 
 import json

@@ -1,19 +1,19 @@
-"""The machine's cores shared between pytest-xdist workers: a test keeps one core busy, a
-multi-rank run all of them.
+"""One multi-rank run at a time across pytest-xdist workers; one-process tests go on beside it.
 
-``make test`` runs two workers on CI's two cores. A one-process test (or a one-rank run) keeps
-one core busy, so two of them run side by side; ranks of a multi-rank run step in lockstep, and a
-rank that shares its core with another worker's test stalls its peers at every collective (two
-workers without this gate ran the suite slower than one). So each test holds a core while it
-runs (:func:`hold`, from ``tests/conftest.py``), a test marked ``all_cores`` holds every core,
-and a multi-rank run started by a one-core test (:func:`whole_machine`, from the rank pools)
-trades its core for all of them for the run's duration.
+``make test`` runs two workers on CI's two cores. Two multi-rank runs at once (up to 8 ranks on 2
+cores) stall each other at every collective (two workers without any gate ran the suite slower
+than one), so a multi-rank run holds the machine's one *rank slot*: a test marked ``all_cores``
+for its whole run (:func:`hold`, from ``tests/conftest.py``), a run started by any other test for
+the run's duration (:func:`whole_machine`, from the launch helpers and the rank pools).
 
-Cores are ``flock`` locks on files shared by the run's workers. Whoever waits for cores first
-takes the ``gate`` lock and keeps it until it has them, so a test that wants every core is not
-overtaken by one-core tests; a holder never waits for the gate while holding a core (an escalation
-gives its core back first), so no two workers wait on each other. Without xdist (one worker) or
-with ``PYTEST_XDIST_WORKER_COUNT`` 1 every call is a no-op.
+A one-process test (or a one-rank run) takes no slot: it runs beside a multi-rank run, whose
+ranks then share the cores with it. Waiting instead (each test holding a core, a multi-rank run
+both) left a core idle while a multi-rank run waited for the other worker's test to end and in
+the ranks' pipeline bubbles and collectives: 1.65 busy cores on average over a traced suite, 1.85
+with the slot alone, 21:27 -> 19:13 (benchmarks/RESULTS.md, "Test suite time").
+
+The slot is a ``flock`` lock on a file shared by the run's workers. Without xdist (one worker)
+or with ``PYTEST_XDIST_WORKER_COUNT`` 1 every call is a no-op.
 """
 
 from __future__ import annotations
@@ -23,76 +23,47 @@ import fcntl
 import os
 import tempfile
 
-_held: list = []  #: this worker's open core locks
+_held: list = []  #: this worker's open slot lock (at most one)
 
 
 def active() -> bool:
     return int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1
 
 
-def _cores() -> int:
-    return int(os.environ["PYTEST_XDIST_WORKER_COUNT"])
-
-
-def _lock_file(name: str):
+def _slot_file():
     folder = os.path.join(tempfile.gettempdir(), f"glm5-cores-{os.environ.get('PYTEST_XDIST_TESTRUNUID', 'run')}")
     os.makedirs(folder, exist_ok=True)
-    return open(os.path.join(folder, name), "a+")
+    return open(os.path.join(folder, "ranks"), "a+")
 
 
-def _acquire(n: int) -> None:
-    with _lock_file("gate") as gate:
-        fcntl.flock(gate, fcntl.LOCK_EX)
-        free = list(range(_cores()))
-        for i in list(free):  # the free ones first, then wait for the rest in order
-            if len(_held) == n:
-                break
-            f = _lock_file(f"core{i}")
-            try:
-                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                f.close()
-                continue
-            _held.append(f)
-            free.remove(i)
-        for i in free:
-            if len(_held) == n:
-                break
-            f = _lock_file(f"core{i}")
-            fcntl.flock(f, fcntl.LOCK_EX)
-            _held.append(f)
-        fcntl.flock(gate, fcntl.LOCK_UN)
-
-
-def _release() -> None:
-    while _held:
-        _held.pop().close()  # closing the file drops its flock
+@contextlib.contextmanager
+def _rank_slot():
+    f = _slot_file()
+    fcntl.flock(f, fcntl.LOCK_EX)
+    _held.append(f)
+    try:
+        yield
+    finally:
+        _held.remove(f)
+        f.close()  # closing the file drops its flock
 
 
 @contextlib.contextmanager
 def hold(all_cores: bool = False):
-    """One core (every core with ``all_cores``) for the block: a test's whole run."""
-    if not active():
+    """A test's whole run: the rank slot for a test marked ``all_cores`` (it starts ranks of its
+    own), nothing for any other."""
+    if not active() or not all_cores:
         yield
         return
-    _acquire(_cores() if all_cores else 1)
-    try:
+    with _rank_slot():
         yield
-    finally:
-        _release()
 
 
 @contextlib.contextmanager
 def whole_machine():
-    """Every core for the block (a multi-rank run), back to what was held before it."""
-    if not active() or len(_held) == _cores():
+    """The rank slot for the block (a multi-rank run), unless this worker holds it already."""
+    if not active() or _held:
         yield
         return
-    before = len(_held)
-    _release()
-    _acquire(_cores())
-    try:
+    with _rank_slot():
         yield
-    finally:
-        _release()
-        _acquire(before)

@@ -179,8 +179,8 @@ def emulation_of(overrides: list[str]) -> str:
 def run(overrides: list[str], nproc: int, timeout: float, digest_dir=None) -> dict:
     """A run's JSON summary, from this session's pool of ``nproc`` ranks under the run's CPU
     emulation (started when there is none, or when the last one ended with a failed job; the
-    least recently used one is closed beyond :data:`MAX_POOLS`). A multi-rank run holds every
-    core meanwhile (:func:`.core_gate.whole_machine`). Raises AssertionError on failure."""
+    least recently used one is closed beyond :data:`MAX_POOLS`). A multi-rank run holds the rank
+    slot meanwhile (:func:`.core_gate.whole_machine`). Raises AssertionError on failure."""
     from tests.support import core_gate
 
     with core_gate.whole_machine() if nproc > 1 else contextlib.nullcontext():

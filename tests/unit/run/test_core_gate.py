@@ -1,11 +1,9 @@
-"""The cores pytest-xdist workers share (tests/support/core_gate.py), with real processes as
-workers: two one-core holders run side by side, a whole-machine holder waits for both cores and
-is not overtaken by a one-core holder that asked after it, and a one-core test that starts a
-multi-rank run gets its core back after it."""
+"""The rank slot pytest-xdist workers share (tests/support/core_gate.py), with real processes as
+workers: two one-process tests run side by side, a second multi-rank run waits for the first,
+and a one-process test runs beside a multi-rank run."""
 
 from __future__ import annotations
 
-import fcntl
 import os
 import shutil
 import subprocess
@@ -18,9 +16,10 @@ import pytest
 
 from tests.support.launch import REPO
 
-#: a worker: holds what argv[1] says ("one", "all", "one-then-all"), writes "<name>.got" once it
-#: holds it, waits for "<name>.go", writes "<name>.release" and gives the cores back;
-#: "one-then-all" also writes "<name>.back" once it holds its one core again
+#: a worker: holds what argv[1] says ("one": nothing, "all": the slot for the whole test,
+#: "one-then-all": the slot for a run inside the test), writes "<name>.got" once it
+#: holds it, waits for "<name>.go", writes "<name>.release" and gives the slot back;
+#: "one-then-all" also writes "<name>.back" after the run
 WORKER = """
 import os, sys, time
 from tests.support import core_gate
@@ -70,23 +69,6 @@ def _wait_for(path, timeout=60.0) -> float:
     return float(path.read_text())
 
 
-def _gate_taken(folder: str) -> bool:
-    with open(os.path.join(folder, "gate"), "a+") as f:
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return True
-        fcntl.flock(f, fcntl.LOCK_UN)
-        return False
-
-
-def _wait_until_gate_taken(folder: str, timeout=30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not (os.path.exists(os.path.join(folder, "gate")) and _gate_taken(folder)):
-        assert time.monotonic() < deadline, "nobody waits at the gate"
-        time.sleep(0.01)
-
-
 def test_two_one_core_holders_run_side_by_side(gate):
     start, folder, _ = gate
     a, b = start("one", "a"), start("one", "b")
@@ -97,34 +79,27 @@ def test_two_one_core_holders_run_side_by_side(gate):
     assert a.wait(60) == 0 and b.wait(60) == 0
 
 
-def test_every_core_waits_for_the_holders_and_is_not_overtaken(gate):
-    start, folder, locks = gate
-    a = start("one", "a")
-    _wait_for(folder / "a.got")
-    whole = start("all", "whole")
-    _wait_until_gate_taken(locks)  # whole holds the free core and waits at the gate for a's
-    late = start("one", "late")
-    time.sleep(0.5)
-    assert not (folder / "whole.got").exists() and not (folder / "late.got").exists()
-    (folder / "a.go").touch()
-    got_whole = _wait_for(folder / "whole.got")
-    time.sleep(0.5)
-    assert not (folder / "late.got").exists(), "a one-core test ran beside one holding every core"
-    (folder / "whole.go").touch()
-    assert _wait_for(folder / "late.got") > _wait_for(folder / "whole.release") > got_whole
-    (folder / "late.go").touch()
-    assert a.wait(60) == whole.wait(60) == late.wait(60) == 0
-
-
-def test_a_multi_rank_run_trades_its_core_for_all_and_gets_it_back(gate):
+def test_a_second_multi_rank_holder_waits_for_the_first(gate):
     start, folder, _ = gate
-    other = start("one", "other")
-    _wait_for(folder / "other.got")
-    run = start("one-then-all", "run")
+    first = start("all", "first")
+    _wait_for(folder / "first.got")
+    second = start("one-then-all", "second")  # a one-process test starting a multi-rank run
     time.sleep(0.5)
-    assert not (folder / "run.got").exists(), "a multi-rank run started beside another test"
-    (folder / "other.go").touch()
-    assert _wait_for(folder / "run.got") > _wait_for(folder / "other.release")
-    (folder / "run.go").touch()
-    _wait_for(folder / "run.back")
+    assert not (folder / "second.got").exists(), "two multi-rank runs at once"
+    (folder / "first.go").touch()
+    assert _wait_for(folder / "second.got") > _wait_for(folder / "first.release")
+    (folder / "second.go").touch()
+    _wait_for(folder / "second.back")
+    assert first.wait(60) == second.wait(60) == 0
+
+
+def test_a_one_process_test_runs_beside_a_multi_rank_run(gate):
+    start, folder, _ = gate
+    run = start("one-then-all", "run")
+    _wait_for(folder / "run.got")
+    other = start("one", "other")
+    _wait_for(folder / "other.got")  # while the run holds the slot
+    assert not (folder / "run.release").exists()
+    for name in ("run", "other"):
+        (folder / f"{name}.go").touch()
     assert run.wait(60) == other.wait(60) == 0
