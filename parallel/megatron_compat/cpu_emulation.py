@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 
+from parallel.megatron_compat import strict_cuda
 from parallel.megatron_compat.version import check_megatron_core
 
 _CPU = torch.device("cpu")
@@ -54,8 +55,6 @@ class CudaDeviceToCpuMode(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if self.strict:
-            from parallel.megatron_compat import strict_cuda
-
             return strict_cuda.handle_function(func, args, kwargs,
                                                lambda a, k: self._rewritten(func, a, k))
         return self._rewritten(func, args, kwargs)
@@ -78,8 +77,6 @@ class CudaDeviceToCpuMode(TorchFunctionMode):
         """Plain mode: every tensor is on the (emulated) device; strict mode tracks it."""
         if not self.strict:
             return True
-        from parallel.megatron_compat import strict_cuda
-
         return strict_cuda.on_device(t)
 
 
@@ -110,8 +107,6 @@ class _NullStream:
 
 def _count_strict_sync(*args, **kwargs) -> None:
     """Under strict emulation a wait for the device is a host sync (counted, not raised)."""
-    from parallel.megatron_compat import strict_cuda
-
     if strict_cuda.is_active():
         strict_cuda._count_sync()
 
@@ -283,8 +278,6 @@ def install(strict: bool = False) -> bool:
 
 
 def _enable_strict() -> None:
-    from parallel.megatron_compat import strict_cuda
-
     strict_cuda.install()
     _MODE.strict = True
 
@@ -293,8 +286,6 @@ def _enable_strict() -> None:
 def strict_mode():
     """Strict CUDA emulation for a block (one-process tests); training runs switch it on for the
     whole process with ``parallel.cpu_emulation=strict``."""
-    from parallel.megatron_compat import strict_cuda
-
     install()
     was = strict_cuda.is_active()
     _enable_strict()

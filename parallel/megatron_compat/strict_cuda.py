@@ -54,7 +54,10 @@ def _leaves(obj, out: list) -> list:
     node registry, which cost a third of a strict step (every aten op passes through here)."""
     if isinstance(obj, (list, tuple)):
         for x in obj:
-            _leaves(x, out)
+            if isinstance(x, (list, tuple, dict)):
+                _leaves(x, out)
+            else:
+                out.append(x)
     elif isinstance(obj, dict):
         for x in obj.values():
             _leaves(x, out)
@@ -132,9 +135,17 @@ class DeviceResidencyMode(TorchDispatchMode):
     """Propagates residency through every aten op; raises on mixes; counts host syncs; checks
     collectives."""
 
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        """Keep ``__torch_dispatch__`` a plain method: torch otherwise wraps it in
+        ``torch._disable_dynamo``, a Python frame around every aten op (a tenth of a strict
+        step). Nothing is compiled on CPU ranks (megatron's fusers run eagerly, see
+        :mod:`.jit_fusers`), so there is no Dynamo to keep out."""
+        return False
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        flat = _leaves(kwargs, _leaves(args, []))
+        flat = _leaves(kwargs, _leaves(args, [])) if kwargs else _leaves(args, [])
         tensors = [a for a in flat if isinstance(a, torch.Tensor)]
         name, base = _op_names(func)
         if base.startswith("c10d::"):
@@ -154,7 +165,7 @@ class DeviceResidencyMode(TorchDispatchMode):
                 _count_sync()
         out = func(*args, **kwargs)
         if device:
-            for o in _leaves(out, []):
+            for o in (out,) if isinstance(out, torch.Tensor) else _leaves(out, []):
                 if isinstance(o, torch.Tensor) and not (base == "aten::copy_" and o is args[0]):
                     mark(o, True)
         return out
@@ -205,7 +216,7 @@ def handle_function(func, args, kwargs, call):
         return _to(args, kwargs, call)
     to_cuda = "device" in kwargs and _is_cuda_device(kwargs["device"])
     out = call(args, kwargs)
-    for o in _leaves(out, []):  # made by Python code: where it asked, else the host
+    for o in (out,) if isinstance(out, torch.Tensor) else _leaves(out, []):  # made by Python code: where it asked, else the host
         if isinstance(o, torch.Tensor) and (to_cuda or _tag(o) is None):
             mark(o, to_cuda)
     return out
