@@ -40,6 +40,10 @@ def _cpu_device(device):
     return device
 
 
+#: the methods :class:`CudaDeviceToCpuMode` rewrites beyond ``device`` / ``pin_memory`` arguments
+_REWRITTEN_METHODS = frozenset({torch.Tensor.cuda, torch.Tensor.pin_memory, torch.Tensor.type, torch.Tensor.to})
+
+
 class CudaDeviceToCpuMode(TorchFunctionMode):
     """Rewrites CUDA devices to CPU in every torch call, makes ``.cuda()`` and ``pin_memory()``
     no-ops and reports CPU float tensors with CUDA type names (megatron asserts on them)."""
@@ -60,17 +64,20 @@ class CudaDeviceToCpuMode(TorchFunctionMode):
         return self._rewritten(func, args, kwargs)
 
     def _rewritten(self, func, args, kwargs):
+        if kwargs:
+            if "device" in kwargs:
+                kwargs = dict(kwargs, device=_cpu_device(kwargs["device"]))
+            if "pin_memory" in kwargs:
+                kwargs = dict(kwargs, pin_memory=False)
+        if func not in _REWRITTEN_METHODS:  # nearly every call: nothing more to rewrite
+            return func(*args, **kwargs)
         if func is torch.Tensor.cuda or func is torch.Tensor.pin_memory:
             return args[0]
         if func is torch.Tensor.type and len(args) == 1 and not kwargs:
             name = func(*args)
             return self._TYPE_NAMES.get(name, name) if self._on_device(args[0]) else name
-        if "device" in kwargs:
-            kwargs = dict(kwargs, device=_cpu_device(kwargs["device"]))
         if func is torch.Tensor.to and len(args) > 1:
             args = (args[0], _cpu_device(args[1]), *args[2:])
-        if "pin_memory" in kwargs:
-            kwargs = dict(kwargs, pin_memory=False)
         return func(*args, **kwargs)
 
     def _on_device(self, t) -> bool:
