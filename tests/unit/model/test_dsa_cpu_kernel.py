@@ -33,12 +33,12 @@ from tests.support.dsa_layer import outputs_per_kernel_choice
 UNIT_ROUNDOFF = {torch.float32: 2.0 ** -24, torch.bfloat16: 2.0 ** -8}
 
 
-# the other width's build (~1-2 min once per machine) is for the full suite, not the quick one
+# the other width is for the full suite, not the quick one (`make` builds it beside this CPU's own)
 @pytest.fixture(params=[pytest.param(lanes, marks=() if lanes == fused.native_lanes() else pytest.mark.heavy)
                         for lanes in (8, 16)], ids=lambda lanes: f"{fused.ISA_OF_LANES[lanes]}-path")
 def lanes(request, monkeypatch):
-    """The kernel at one vector width (built on first use: the width that is not this CPU's own
-    costs one more build, about a minute, once per machine)."""
+    """The kernel at one vector width (both are built by `make`'s bootstrap; a width missing from
+    torch's extensions directory is built here, about a minute)."""
     monkeypatch.setenv(fused.LANES_ENV, str(request.param))
     assert fused.cpu_kernel().vector_lanes == request.param
     return request.param
