@@ -120,7 +120,7 @@ def _contend(run_dir, barrier, results):
 
 
 def test_of_runs_racing_for_a_dead_lock_exactly_one_gets_it(tmp_path):
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context("fork")  # the contenders touch no torch: a spawned one re-imported it (~3 s each)
     for _ in range(3):
         _write_holder(str(tmp_path), socket.gethostname(), _dead_pid())
         barrier, results = ctx.Barrier(4), ctx.Queue()
