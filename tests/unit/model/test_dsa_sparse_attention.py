@@ -174,3 +174,44 @@ def test_backward_is_bitwise_reproducible(device, dtype):
     first = torch.autograd.grad(out, (q, kv), grad, retain_graph=True)
     second = torch.autograd.grad(out, (q, kv), grad)
     assert all(torch.equal(a, b) for a, b in zip(first, second))
+
+
+def test_key_gradient_sums_on_a_gpu_are_one_call_per_chunk_in_query_order():
+    """On CUDA the key-gradient sums go through one sort-based ``index_put_(accumulate=True)``
+    per chunk of queries (no call per query, no atomics); on a tracked device under the strict
+    emulation that path gives the CPU path's bits, with keys shared by many queries and one key
+    picked twice by one query."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from model_providers.glm5.model.dsa.sparse_attention import scatter_add_rows
+    from parallel.megatron_compat import cpu_emulation
+
+    gen = torch.Generator().manual_seed(0)
+    idx = torch.randint(0, 5, (32, 4), generator=gen)  # 32 queries over 5 keys: many repeats
+    idx[0, 1] = idx[0, 0]
+    rows = torch.randn(32, 4, 3, generator=gen)
+    start = torch.randn(5, 3, generator=gen)
+    host = start.clone()
+    scatter_add_rows(host, idx, rows)
+    sequential = start.clone()
+    for r in range(idx.shape[0]):
+        for j in range(idx.shape[1]):
+            sequential[idx[r, j]] += rows[r, j]
+    assert torch.equal(host, sequential)
+
+    class Calls(TorchDispatchMode):
+        names: list = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if "index" in func.__name__:
+                self.names.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    with cpu_emulation.strict_mode():
+        dest = start.cuda()
+        with Calls():
+            scatter_add_rows(dest, idx.cuda(), rows.cuda())
+        assert dest.is_cuda
+        device_result = dest.cpu()
+    assert Calls.names == ["index_put_.default"], Calls.names
+    assert torch.equal(device_result, sequential)

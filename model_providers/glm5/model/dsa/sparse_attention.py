@@ -9,10 +9,9 @@ upcast, so scores, log-sum-exp, probabilities, delta, every GEMM and the dkv sum
 only o, dq and dkv are rounded to the input dtype, once: their error is that rounding's (~1.7e-3
 relative), where bf16 statistics and a bf16 dkv sum cost ~1e-2. lse and head_probs stay fp32.
 
-Determinism: dkv is accumulated in an fp32 [L, D] buffer in query order (`scatter_add_rows`):
-a query's k key positions are distinct (they come from top-k), so on CUDA, where ``index_add_``
-adds with atomics, one call per query touches no key twice; on the CPU one call per chunk adds
-sequentially. The per-query calls on CUDA are what a fused GPU kernel removes.
+Determinism: dkv is accumulated in an fp32 [L, D] buffer in query order, one call per chunk
+of queries (`scatter_add_rows`: sequential ``index_add_`` on the CPU, the sort-based
+``index_put_(accumulate=True)`` on CUDA, both adding each key's rows in query order).
 
 Shapes (batch-first): q [b, s, n, D] (absorbed queries, D = latent + rope), kv [b, L, D]
 (latent rows; the first ``dv`` dims are also the values), idx [b, s, k] int64 key positions,
@@ -145,14 +144,16 @@ def all_visible(valid: torch.Tensor) -> bool:
 
 def scatter_add_rows(dest: torch.Tensor, idx: torch.Tensor, rows: torch.Tensor) -> None:
     """dest[idx[r, j]] += rows[r, j] for r in order: every destination row's sum is taken in
-    the same order on any device. dest [L, D], idx [m, k] (distinct within a row r), rows
-    [m, k, D]. On the CPU ``index_add_`` adds sequentially; on CUDA it adds with atomics, so it
-    runs once per r there, where no destination row is hit twice in one call."""
+    the same order on any device, in one call. dest [L, D], idx [m, k], rows [m, k, D].
+    On the CPU ``index_add_`` adds sequentially. On CUDA ``index_add_`` adds with atomics (an
+    order that changes from run to run), while ``index_put_(accumulate=True)`` stable-sorts
+    the destinations and adds each one's rows in their original order, starting from its
+    current value: the CPU's order, bit for bit."""
+    flat_idx, flat_rows = idx.reshape(-1), rows.reshape(-1, rows.shape[-1])
     if dest.is_cuda:
-        for r in range(idx.shape[0]):
-            dest.index_add_(0, idx[r], rows[r])
+        dest.index_put_((flat_idx,), flat_rows, accumulate=True)
     else:
-        dest.index_add_(0, idx.reshape(-1), rows.reshape(-1, rows.shape[-1]))
+        dest.index_add_(0, flat_idx, flat_rows)
 
 
 def sparse_latent_attention(q, kv, idx, valid, scale: float, dv: int, chunk: int = 64):
