@@ -12,11 +12,15 @@ WORKERS ?= -n 2 --dist loadfile
 
 .PHONY: run test test-quick bench
 
-# --no-compile: pip byte-compiles every installed module (41 s of a 90 s install on 2 cores);
-# Python compiles the few hundred a run imports on first use instead
+# Bytecode: pip compiles module by module on one core (41 s of a 90 s install on 2 cores), so it
+# installs with --no-compile and compileall then writes every .pyc on all cores (16 s). The .pyc
+# must be there: where PYTHONDONTWRITEBYTECODE is set (as on our 2-core machines) Python never caches
+# what it compiles, and every process would spend ~5 s of CPU compiling torch and megatron anew.
+# quiet=2: a few files of the libraries' own tests are newer-Python syntax, as pip also skips.
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --disable-pip-version-check --no-compile -e '.[dev]'
+	$(PY) -c "import compileall, sys; compileall.compile_dir(sys.argv[1], quiet=2, workers=0)" $(VENV)/lib
 	$(PY) -m model_providers.glm5.model.dsa.kernels.dsa_cpu
 	rm -f $(VENV)/.installed-* && touch $@
 
