@@ -77,11 +77,9 @@ def sharded_state(model_chunks, optimizer=None, is_loading=False, with_rng=True)
     sd = {}
     for i, chunk in enumerate(model_chunks):
         sd[_model_key(i)] = chunk.sharded_state_dict(metadata=meta)
-    if optimizer is not None:
-        model_sd = {}
-        for i in range(len(model_chunks)):
-            model_sd.update(sd[_model_key(i)])
-        sd["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=meta)
+    if optimizer is not None:  # it finds each param's sharded tensor in every chunk's (nested) dict:
+        # merged into one dict, chunks whose local keys coincide would hide each other's params
+        sd["optimizer"] = optimizer.sharded_state_dict(dict(sd), is_loading=is_loading, metadata=meta)
     if with_rng:
         sd["rng_state"] = _rng_sharded()
     return sd
