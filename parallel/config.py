@@ -24,6 +24,26 @@ class ParallelConfig:
     first_stage_layers: Optional[int] = None  #: uneven pipeline: layers on the first stage
     last_stage_layers: Optional[int] = None  #: uneven pipeline: layers on the last stage
     distributed_optimizer: bool = False  #: shard optimizer state across data-parallel ranks
+    #: megatron's ``pipeline_model_parallel_layout``: which model pieces each (pp rank, virtual
+    #: stage) holds, e.g. ``Et|(tt|)*30mL`` (E embedding, t decoder layer, m MTP, L loss and
+    #: output heads; ``|`` ends a stage; stages in model order). Replaces first/last_stage_layers.
+    pipeline_layout: Optional[str] = None
+    # Speed features. Names are megatron-core 0.16.1's (ModelParallelConfig / TransformerConfig /
+    # DistributedDataParallelConfig); all off by default (the CPU runs), the GPU cluster presets
+    # (conf/parallel/*gpu.yaml) turn on what Megatron's own recipes do. What this machine lacks
+    # (CUDA, Transformer Engine, DeepEP) is refused at run time, never when planning.
+    moe_token_dispatcher_type: str = "alltoall"  #: alltoall | flex (DeepEP / HybridEP kernels)
+    moe_flex_dispatcher_backend: str = "deepep"  #: deepep | hybridep (with flex)
+    moe_permute_fusion: bool = False  #: fused token permute / unpermute (TE)
+    moe_router_fusion: bool = False  #: fused router top-k + scores (TE)
+    cross_entropy_loss_fusion: bool = False  #: fused vocab-parallel cross entropy
+    apply_rope_fusion: bool = False  #: fused RoPE (TE / apex)
+    gradient_accumulation_fusion: bool = False  #: wgrad GEMM accumulates into main_grad (TE / apex)
+    overlap_grad_reduce: bool = False  #: DDP: bucketed grad reduce(-scatter) during backward
+    overlap_param_gather: bool = False  #: distributed optimizer: param all-gather during forward
+    overlap_moe_expert_parallel_comm: bool = False  #: EP all-to-all hidden behind another micro-batch
+    delay_wgrad_compute: bool = False  #: with the above: expert wgrad after the dispatch backward
+    tp_comm_overlap: bool = False  #: TE userbuffers: TP all-gather / reduce-scatter overlapped with GEMMs
     #: without CUDA: ``plain`` maps CUDA to the CPU; ``strict`` also tracks which tensors would
     #: live on the GPU and fails where CUDA would (host tensor mixed in, host tensor handed to an
     #: NCCL collective), counting host syncs per step (``host_syncs`` in the metrics)
@@ -51,6 +71,54 @@ class Layout:
     dp: int
     expert_dp: int
     layers_per_stage: tuple  #: decoder layers on each (pp rank, virtual stage), in model order
+    #: model chunks (model order; chunk c is on pipeline rank c % pp) holding the embedding, the
+    #: MTP module and the loss with the output heads; -1: the last chunk
+    embedding_chunk: int = 0
+    mtp_chunk: int = -1
+    loss_chunk: int = -1
+
+
+def layout_stages(layout: str) -> list[list[str]]:
+    """megatron's parse of a ``pipeline_model_parallel_layout`` string: per stage in model order,
+    its pieces as megatron's layer-type names (embedding, decoder, mtp, loss). Raises ValueError."""
+    from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
+
+    try:
+        return [[t.name for t in stage] for stage in PipelineParallelLayerLayout.parse_str_to_list(layout)]
+    except (AssertionError, KeyError, ValueError) as e:
+        raise ValueError(str(e)) from None
+
+
+def megatron_layout(layout: str, mtp_num_steps: int) -> list[list[str]]:
+    """The layout as megatron-core 0.16.1 takes it: it counts one MTP layer per MTP step, and
+    GLM-5's one shared MTP module (one ``m`` in the string) is applied ``mtp_num_steps`` times."""
+    return [sum(([t] * mtp_num_steps if t == "mtp" else [t] for t in stage), [])
+            for stage in layout_stages(layout)]
+
+
+def _pipeline_layout_problems(par: "ParallelConfig", num_layers: int, mtp_num_steps: int):
+    """``(stages, problems)`` of ``parallel.pipeline_layout``: megatron's own checks of the
+    string against pp, vpp, the layer count and the MTP module."""
+    from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
+
+    where = f"parallel.pipeline_layout={par.pipeline_layout!r}"
+    if par.first_stage_layers is not None or par.last_stage_layers is not None:
+        return None, [f"{where} replaces parallel.first_stage_layers={par.first_stage_layers} and "
+                      f"last_stage_layers={par.last_stage_layers}: set those to null"]
+    try:
+        stages = layout_stages(par.pipeline_layout)
+    except ValueError as e:
+        return None, [f"{where}: {e}"]
+    if len(stages) != par.pp * par.virtual_stages:
+        return None, [f"{where} has {len(stages)} stages, but parallel.pp={par.pp} x vpp={par.vpp} = "
+                      f"{par.pp * par.virtual_stages} model chunks"]
+    try:
+        PipelineParallelLayerLayout(megatron_layout(par.pipeline_layout, mtp_num_steps), par.pp) \
+            .validate_layer_layout(num_layers=num_layers, mtp_num_layers=mtp_num_steps or None)
+    except (AssertionError, NotImplementedError) as e:
+        return None, [f"{where} (model.num_layers={num_layers}, one m for the MTP module "
+                      f"{'applied ' + str(mtp_num_steps) + ' times' if mtp_num_steps else '(none: mtp_num_steps=0)'}): {e}"]
+    return stages, []
 
 
 def _rank_layer_counts(num_layers: int, par: ParallelConfig) -> list[int]:
@@ -89,6 +157,7 @@ def check_layout(
     seq_length: int,
     micro_batch_size: int,
     global_batch_size: int,
+    mtp_num_steps: int = 0,
 ) -> tuple[Optional[Layout], list[str]]:
     """Check ``par`` against the model and world: the derived layout (None when it cannot
     work) and every problem found. Later checks need the earlier ones to hold, so a layout
@@ -152,11 +221,22 @@ def check_layout(
             p.append(f"parallel.{name}={val} needs parallel.pp > 1 and a value >= 1")
     if p:
         return None, p
+    chunks = None
+    if par.pipeline_layout:
+        stages, p = _pipeline_layout_problems(par, num_layers, mtp_num_steps)
+        if p:
+            return None, p
+        chunks = dict(layers_per_stage=tuple(st.count("decoder") for st in stages),
+                      **{f"{piece}_chunk": next(c for c, st in enumerate(stages) if kind in st)
+                         for piece, kind in (("embedding", "embedding"), ("loss", "loss"))},
+                      mtp_chunk=next((c for c, st in enumerate(stages) if "mtp" in st), -1))
 
     uneven = (par.first_stage_layers or 0) + (par.last_stage_layers or 0)
     middle_stages = par.pp - (par.first_stage_layers is not None) - (par.last_stage_layers is not None)
     middle_layers = num_layers - uneven
-    if middle_layers < 0 or (middle_stages == 0 and middle_layers != 0):
+    if chunks is not None:
+        pass  # megatron checked the layout string
+    elif middle_layers < 0 or (middle_stages == 0 and middle_layers != 0):
         p.append(
             f"parallel.first_stage_layers={par.first_stage_layers} + last_stage_layers="
             f"{par.last_stage_layers} do not add up to model.num_layers={num_layers} over pp={par.pp}"
@@ -202,5 +282,5 @@ def check_layout(
         world_size=world_size,
         dp=dp,
         expert_dp=world_size // expert_parallel,
-        layers_per_stage=tuple(stage_layer_counts(num_layers, par)),
+        **(chunks or dict(layers_per_stage=tuple(stage_layer_counts(num_layers, par)))),
     ), []

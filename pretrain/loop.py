@@ -119,8 +119,11 @@ def configure_model_hooks(tcfg, ddp_chunks, optimizer) -> LoadImbalanceProbe:
     """The hooks megatron's schedules call: DDP no-sync, grad finalisation, loss scaling."""
     probe = LoadImbalanceProbe([c.module for c in ddp_chunks])
     tcfg.no_sync_func = [c.no_sync for c in ddp_chunks]
+    if ddp_chunks[0].ddp_config.overlap_grad_reduce:  # each chunk's reduction starts after its last backward
+        tcfg.grad_sync_func = [c.start_grad_sync for c in ddp_chunks]
     if len(ddp_chunks) == 1:
         tcfg.no_sync_func = tcfg.no_sync_func[0]
+        tcfg.grad_sync_func = tcfg.grad_sync_func[0] if tcfg.grad_sync_func else None
     tcfg.finalize_model_grads_func = probe
     tcfg.grad_scale_func = optimizer.scale_loss
     return probe

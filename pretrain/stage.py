@@ -52,10 +52,22 @@ def wrap_ddp(tcfg, chunks, par) -> list:
     sizes these same wrappers on the meta device: ``planner.meta_build``)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
+    from parallel.features import ddp_kwargs
+
     ddp_cfg = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True, use_distributed_optimizer=par.distributed_optimizer)
+        grad_reduce_in_fp32=True, use_distributed_optimizer=par.distributed_optimizer, **ddp_kwargs(par))
     return [DistributedDataParallel(config=tcfg, ddp_config=ddp_cfg, module=c, disable_bucketing=i > 0)
             for i, c in enumerate(chunks)]
+
+
+def current_params(ddp_chunks) -> None:
+    """With ``overlap_param_gather`` the distributed optimizer's step leaves each rank's model
+    params current only in its own shard: the next forward's pre-hooks gather the rest, bucket by
+    bucket. Whatever reads the params outside a training forward (a checkpoint save, evaluation)
+    first gathers them all, as megatron's own training loop does (``force_param_sync``)."""
+    for c in ddp_chunks:
+        if c.ddp_config.overlap_param_gather:
+            c.start_param_sync(force_sync=True)
 
 
 def _stage_start_state(stage: Stage, previous: Optional[TrainState]) -> TrainState:
@@ -180,6 +192,7 @@ class _StageTrainer:
                                                           state.step, self.ddp, self.optimizer)
             last = state.stage_step == stage.steps
             if self.valid is not None and (state.stage_step % t.eval_every == 0 or last):
+                current_params(self.ddp)
                 record.update(evaluate(self.ddp, self.valid, t, t.eval_samples))
             self.ctx.sink.log(record)
             if self.ctx.nonfinite.should_reload(stats.skipped, state.step):
@@ -211,6 +224,7 @@ class _StageTrainer:
     def _save(self, state, chunks, stage_final=False):
         rc = self.stage.rc
         t0 = time.perf_counter()
+        current_params(self.ddp)
         path = checkpoint.save(self.ctx.ckpt_dir, chunks, self.optimizer, self.scheduler, state,
                                self.ctx.config_yaml, rc.checkpoint.keep_last, stage_final=stage_final)
         self.ctx.sink.event(checkpoint_line(path, stage_final, time.perf_counter() - t0))

@@ -26,7 +26,7 @@ from pretrain.reliability import faults
 from pretrain.reporting import jsonl
 from pretrain.config.schema import CONF_DIR, RunConfig, compose, register, to_run_config
 from pretrain.reliability.run_lock import RunDirLock, RunDirLocked
-from pretrain.config.validation import ConfigError, override_notes, plan_run
+from pretrain.config.validation import ConfigError, check_machine, override_notes, plan_run
 
 register()
 
@@ -103,6 +103,7 @@ def run(rc: RunConfig, config_yaml: str, changes=()) -> dict:
     env = dist_env()
     routing.rank = env.rank  # ranks > 0 keep our lines off the console from the start
     stages = plan_run(rc, env.world_size, changes)  # before megatron's imports: bad input fails fast
+    check_machine(stages)  # what this machine lacks (the planner does not ask)
     if env.rank == 0:
         for note in override_notes(rc, stages, changes):
             print(f"note: {note}", file=sys.stderr, flush=True)

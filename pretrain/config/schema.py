@@ -43,6 +43,10 @@ class OptimizerConfig:
     beta2: float = 0.95
     eps: float = 1e-8
     clip_grad: float = 1.0
+    #: Adam moments' dtype: fp32 | bf16 (bf16: megatron's precision-aware optimizer, TE's
+    #: FusedAdam on GPUs; halves the moments' memory)
+    exp_avg_dtype: str = "fp32"
+    exp_avg_sq_dtype: str = "fp32"
     muon: MuonConfig = field(default_factory=MuonConfig)
 
 

@@ -16,7 +16,7 @@ from pretrain.config.errors import ConfigError
 from pretrain.config.overrides import Change, reach
 from pretrain.reliability.run_lock import check_run_dir
 
-__all__ = ["ConfigError", "check_run", "plan_run", "override_notes"]
+__all__ = ["ConfigError", "check_machine", "check_run", "plan_run", "override_notes"]
 
 
 def check_run(rc: RunConfig, world_size: int, check_paths: bool = True):
@@ -26,7 +26,8 @@ def check_run(rc: RunConfig, world_size: int, check_paths: bool = True):
     from data_pipeline.validation import check_data
     from model_providers.glm5.model.config import check_model
     from parallel.config import check_layout
-    from pretrain.optim import check_schedule
+    from parallel.features import check_features
+    from pretrain.optim import check_moments, check_schedule
 
     t = rc.trainer
     problems = check_model(rc.model, rc.precision, t.seq_length)
@@ -39,11 +40,16 @@ def check_run(rc: RunConfig, world_size: int, check_paths: bool = True):
         seq_length=t.seq_length,
         micro_batch_size=t.micro_batch_size,
         global_batch_size=t.global_batch_size,
+        mtp_num_steps=rc.model.mtp_num_steps,
     )
     problems += layout_problems
+    problems += check_features(rc.parallel, recompute=rc.model.recompute, dtype=rc.precision.dtype,
+                               mtp_num_steps=rc.model.mtp_num_steps, num_experts=rc.model.num_experts,
+                               rope_type=rc.model.rope_type)
     if layout is not None and rc.model.num_experts:
         problems += _dense_only_pipeline_ranks(rc, layout)
     problems += check_schedule(rc.scheduler, rc.optimizer, t.steps)
+    problems += check_moments(rc.optimizer, rc.parallel.distributed_optimizer)
     if t.steps < 0:
         problems.append(f"trainer.steps={t.steps} must be >= 0")
     problems += check_data(rc.data, rc.model.vocab_size, check_paths)
@@ -71,6 +77,23 @@ def _dense_only_pipeline_ranks(rc: RunConfig, layout) -> list[str]:
                 f"{rc.model.first_k_dense}): megatron's MoE loss all-reduce over the pipeline would "
                 f"hang; give it more layers (parallel.first_stage_layers={rc.parallel.first_stage_layers})")
     return problems
+
+
+def check_machine(stages) -> None:
+    """Refuse, naming each, the features of any stage this machine cannot run (CUDA, Transformer
+    Engine, DeepEP): at launch only -- the planner sizes runs for GPUs it does not have."""
+    import torch
+
+    from parallel.features import machine_problems
+
+    problems = []
+    for st in stages:
+        for p in machine_problems(st.rc.parallel, st.rc.precision, st.rc.optimizer,
+                                  cuda=torch.cuda.is_available()):
+            if p not in problems:
+                problems.append(p)
+    if problems:
+        raise ConfigError("this machine cannot run the configured features", problems)
 
 
 def plan_run(rc: RunConfig, world_size: int, changes: Sequence[Change] = (), check_paths: bool = True) -> list:

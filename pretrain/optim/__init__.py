@@ -1,9 +1,9 @@
 """Optimizer and LR schedule: megatron-core's optimizer wrappers with Adam or Muon (+ Muon Split)
 and megatron's OptimizerParamScheduler."""
 
-from pretrain.optim.schedule import build_scheduler, check_schedule
+from pretrain.optim.schedule import build_scheduler, check_moments, check_schedule
 
-__all__ = ["build_optimizer", "build_scheduler", "check_schedule"]
+__all__ = ["build_optimizer", "build_scheduler", "check_moments", "check_schedule"]
 
 
 def __getattr__(name: str):

@@ -39,7 +39,20 @@ def megatron_config(opt: OptimizerConfig, precision_dtype: str, distributed: boo
         bf16=precision_dtype == "bf16",
         params_dtype=torch.bfloat16 if precision_dtype == "bf16" else torch.float32,
         use_distributed_optimizer=distributed,
+        **moment_dtypes(opt),
     )
+
+
+MOMENT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  #: optimizer.exp_avg(_sq)_dtype values
+
+
+def moment_dtypes(opt: OptimizerConfig) -> dict:
+    """Adam's moments in bf16: megatron's precision-aware optimizer (TE's FusedAdam keeps them
+    in that dtype, fp32 main params and grads unchanged)."""
+    if opt.exp_avg_dtype == opt.exp_avg_sq_dtype == "fp32":
+        return {}
+    return dict(use_precision_aware_optimizer=True, exp_avg_dtype=MOMENT_DTYPES[opt.exp_avg_dtype],
+                exp_avg_sq_dtype=MOMENT_DTYPES[opt.exp_avg_sq_dtype])
 
 
 def build_optimizer(model_chunks, opt: OptimizerConfig, precision_dtype: str, distributed: bool):

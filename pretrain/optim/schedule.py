@@ -93,3 +93,18 @@ def build_scheduler(optimizer, opt: OptimizerConfig, sched: SchedulerConfig, ste
         wsd_decay_steps=wsd_decay,
         lr_wsd_decay_style=sched.wsd_decay_style if style == "wsd" else None,
     )
+
+
+def check_moments(opt: OptimizerConfig, distributed: bool) -> list[str]:
+    """megatron-core 0.16.1's conditions on the moments' dtypes."""
+    p = [f"optimizer.{name}={getattr(opt, name)!r} must be fp32 or bf16"
+         for name in ("exp_avg_dtype", "exp_avg_sq_dtype") if getattr(opt, name) not in ("fp32", "bf16")]
+    if p or opt.exp_avg_dtype == opt.exp_avg_sq_dtype == "fp32":
+        return p
+    if opt.name != "adam":
+        p.append(f"optimizer.exp_avg_dtype={opt.exp_avg_dtype} / exp_avg_sq_dtype={opt.exp_avg_sq_dtype} "
+                 f"(megatron's precision-aware optimizer) needs optimizer.name=adam, got {opt.name}")
+    if not distributed:
+        p.append(f"optimizer.exp_avg_dtype={opt.exp_avg_dtype} / exp_avg_sq_dtype={opt.exp_avg_sq_dtype} "
+                 "(megatron's precision-aware optimizer) needs parallel.distributed_optimizer=true")
+    return p

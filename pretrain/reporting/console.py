@@ -9,6 +9,7 @@ import dataclasses
 from typing import Optional
 
 from model_providers.glm5.counting.size import human, model_size
+from parallel import features
 
 
 def say(*lines: str) -> None:
@@ -33,6 +34,8 @@ def _layout(par, dp: int, world_size: int) -> str:
         extras.append("sequence parallel")
     if par.distributed_optimizer:
         extras.append("distributed optimizer")
+    if par.pipeline_layout:
+        extras.append(f"pipeline layout {par.pipeline_layout}")
     return (f"world {world_size} = dp {dp} x tp {par.tp} x pp {par.pp}{vpp} x cp {par.cp}; "
             + ", ".join(extras))
 
@@ -79,6 +82,7 @@ def banner(rc, stages: list, world_size: int, backend: str, run_dir: str, log_pa
         f"  params   {human(size.total)} ({human(size.total - size.mtp)} + {human(size.mtp)} MTP); "
         f"{human(size.active)} active per token without embeddings",
         f"  layout   {_layout(first.parallel, dp, world_size)}; {precision}, {backend} layers",
+        f"  speed    {features.summary(first.parallel)}",
         f"  run dir  {run_dir}",
         f"  logs     {log_path} (megatron & co; logger.verbose=true shows them here)",
         f"  W&B      {wandb_where}",

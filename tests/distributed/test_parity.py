@@ -20,6 +20,13 @@ ROWS = [
     Row("pp2_vpp2", 4, ("parallel=pp2_vpp2",)),
     Row("dp2_distopt", 2, ("parallel=dp2_distopt",)),
     Row("ep4", 4, ("parallel=ep4",)),
+    # megatron's flexible pipeline layout: an uneven split and a last stage holding only the
+    # MTP module and the loss (no decoder layer)
+    Row("layout_mtp_loss_stage", 4, ("parallel.pp=2", "parallel.vpp=2", "parallel.pipeline_layout='Et|tt|t|mL'")),
+    # DP overlap: gradients reduce-scattered bucket by bucket during backward, parameters
+    # all-gathered by the next forward's pre-hooks (and in full before the checkpoint save)
+    Row("dp2_overlap_grad_param", 2, ("parallel=dp2_distopt", "parallel.overlap_grad_reduce=true",
+                                      "parallel.overlap_param_gather=true")),
     # Muon Split: TP gathers each TP-sharded whole matrix before orthogonalising (per-head
     # up-projection blocks stay local); the distributed optimizer rebuilds whole matrices from
     # the ranks' flat shards; the last stage's MTP copy of the word embedding is stepped like the

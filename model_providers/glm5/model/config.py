@@ -109,7 +109,7 @@ class PrecisionConfig:
     """Numerics. fp32 is the CPU default and what the parity tests use."""
 
     dtype: str = "fp32"  #: fp32 | bf16
-    fp8: Optional[str] = None  #: null | delayed | blockwise (Transformer Engine, GPUs only)
+    fp8: Optional[str] = None  #: null | delayed | blockwise (Hopper) | mxfp8 (Blackwell); Transformer Engine, GPUs only
 
 
 #: megatron-core 0.16.1's selective recompute choices
@@ -169,18 +169,13 @@ def check_model(cfg: GLM5Config, precision: PrecisionConfig, seq_length: int) ->
         )
     if precision.dtype not in ("fp32", "bf16"):
         p.append(f"precision.dtype={precision.dtype!r} must be fp32 or bf16")
-    if precision.fp8 not in (None, "delayed", "blockwise"):
-        p.append(f"precision.fp8={precision.fp8!r} must be null, delayed or blockwise")
-    if precision.fp8 is not None and not torch.cuda.is_available():
-        p.append(f"precision.fp8={precision.fp8} needs CUDA and Transformer Engine (none here)")
-    elif precision.fp8 is not None:
-        have_te = importlib.util.find_spec("transformer_engine") is not None
-        if cfg.layer_backend == "local" or not have_te:
-            p.append(
-                f"precision.fp8={precision.fp8} needs Transformer Engine layers, but "
-                f"model.layer_backend={cfg.layer_backend!r} gives the local spec"
-                + ("" if have_te else " (transformer_engine is not importable)")
-                + ": megatron's FP8 context would do nothing and the run would train in bf16")
+    if precision.fp8 not in (None, "delayed", "blockwise", "mxfp8"):
+        p.append(f"precision.fp8={precision.fp8!r} must be null, delayed, blockwise or mxfp8")
+    if precision.fp8 is not None and cfg.layer_backend == "local":
+        p.append(f"precision.fp8={precision.fp8} needs Transformer Engine layers, but "
+                 "model.layer_backend='local' gives the local spec: megatron's FP8 context would "
+                 "do nothing and the run would train in bf16 (CUDA and Transformer Engine are "
+                 "checked when the run starts: parallel.features.machine_problems)")
     if precision.fp8 is not None and precision.dtype != "bf16":
         p.append(f"precision.fp8={precision.fp8} needs precision.dtype=bf16, got {precision.dtype}")
     return p
@@ -233,6 +228,8 @@ def to_transformer_config(cfg: GLM5Config, par: ParallelConfig, precision: Preci
     """Build megatron's ``MLATransformerConfig`` for this model, layout and precision."""
     from megatron.core.transformer.transformer_config import MLATransformerConfig
 
+    from parallel.features import transformer_kwargs
+
     on_cpu = not torch.cuda.is_available()
     dtype = torch.bfloat16 if precision.dtype == "bf16" else torch.float32
     moe = {}
@@ -254,14 +251,13 @@ def to_transformer_config(cfg: GLM5Config, par: ParallelConfig, precision: Preci
             moe_router_load_balancing_type=cfg.moe_aux_loss,
             moe_aux_loss_coeff=cfg.moe_aux_loss_coeff if cfg.moe_aux_loss != "none" else 0.0,
             moe_router_dtype="fp32",
-            moe_token_dispatcher_type="alltoall",
             moe_grouped_gemm=not on_cpu,
         )
     fp8 = {}
     if precision.fp8 == "delayed":
         fp8 = dict(fp8="hybrid", fp8_recipe="delayed")
-    elif precision.fp8 == "blockwise":
-        fp8 = dict(fp8="e4m3", fp8_recipe="blockwise")
+    elif precision.fp8 in ("blockwise", "mxfp8"):
+        fp8 = dict(fp8="e4m3", fp8_recipe=precision.fp8)
     return MLATransformerConfig(
         num_layers=cfg.num_layers,
         hidden_size=cfg.hidden_size,
@@ -274,7 +270,6 @@ def to_transformer_config(cfg: GLM5Config, par: ParallelConfig, precision: Preci
         v_head_dim=cfg.v_head_dim,
         **_recompute(cfg),
         **_rope(cfg),
-        apply_rope_fusion=False,
         normalization="RMSNorm",
         layernorm_epsilon=cfg.norm_eps,
         qk_layernorm=True,
@@ -284,7 +279,6 @@ def to_transformer_config(cfg: GLM5Config, par: ParallelConfig, precision: Preci
         bias_activation_fusion=False,
         bias_dropout_fusion=False,
         masked_softmax_fusion=False,
-        gradient_accumulation_fusion=False,
         persist_layer_norm=False,
         hidden_dropout=0.0,
         attention_dropout=0.0,
@@ -306,4 +300,5 @@ def to_transformer_config(cfg: GLM5Config, par: ParallelConfig, precision: Preci
         use_cpu_initialization=on_cpu,
         **moe,
         **fp8,
+        **transformer_kwargs(par, cfg.mtp_num_steps),
     )

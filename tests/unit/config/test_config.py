@@ -171,12 +171,19 @@ def test_bad_dsa_mode():
     assert "model.dsa.mode='sparce'" in str(e.value)
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="fp8 is valid where CUDA exists")
-@pytest.mark.parametrize("recipe", ["fp8_delayed", "fp8_blockwise"])
-def test_fp8_without_cuda(recipe):
+@pytest.mark.skipif(torch.cuda.is_available(), reason="fp8 runs where CUDA exists")
+@pytest.mark.parametrize("recipe", ["fp8_delayed", "fp8_blockwise", "mxfp8"])
+def test_fp8_validates_for_planning_and_is_refused_at_launch_without_cuda(recipe):
+    """A plan for a GPU cluster is made where there is none: the config validates; a run
+    started here is refused before anything is built, naming the field and what is missing."""
+    from pretrain.config.validation import check_machine
+
     rc = _rc(f"precision={recipe}")
-    e = _invalid(rc)
-    assert f"precision.fp8={rc.precision.fp8}" in str(e.value) and "CUDA" in str(e.value)
+    stages = plan_run(rc, 1)
+    with pytest.raises(ConfigError) as e:
+        check_machine(stages)
+    assert f"precision.fp8={rc.precision.fp8} needs CUDA and Transformer Engine (this machine has no CUDA)" \
+        in str(e.value)
 
 
 def test_bad_world_size_for_layout():
@@ -291,19 +298,29 @@ def test_bad_rope_scaling(overrides, message):
     assert isinstance(e.value, ConfigError) and message in str(e.value)
 
 
-@pytest.mark.parametrize("backend, have_te", [("local", True), ("auto", False), ("local", False)])
-def test_fp8_with_cuda_but_local_layers_is_an_error(monkeypatch, backend, have_te):
-    """With CUDA but the local spec (asked for, or ``auto`` without transformer_engine) megatron's
-    FP8 context is a no-op: a run would silently train in bf16."""
+def test_fp8_with_local_layers_is_an_error():
+    """The local spec under megatron's FP8 context is a no-op: a run would silently train in
+    bf16 (on any machine, so it is a config error, not a machine one)."""
+    e = _invalid(_rc("precision=fp8_blockwise", "model.layer_backend=local"))
+    assert "precision.fp8=blockwise needs Transformer Engine layers" in str(e.value)
+    assert "model.layer_backend='local'" in str(e.value)
+
+
+@pytest.mark.parametrize("have_te", [True, False])
+def test_fp8_with_cuda_needs_transformer_engine_at_launch(monkeypatch, have_te):
+    """With CUDA, ``auto`` layers and no transformer_engine the run is refused when it starts."""
     import importlib.util
+
+    from pretrain.config.validation import check_machine
 
     find_spec = importlib.util.find_spec
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: (object() if have_te else None) if name == "transformer_engine"
                         else find_spec(name, *a))
-    rc = _rc("precision=fp8_blockwise", f"model.layer_backend={backend}")
-    e = _invalid(rc)
-    assert "precision.fp8=blockwise needs Transformer Engine layers" in str(e.value)
-    assert f"model.layer_backend='{backend}'" in str(e.value)
-    assert ("transformer_engine is not importable" in str(e.value)) == (not have_te)
+    stages = plan_run(_rc("precision=fp8_blockwise"), 1)
+    if have_te:
+        check_machine(stages)
+        return
+    with pytest.raises(ConfigError, match="precision.fp8=blockwise needs CUDA and Transformer Engine$"):
+        check_machine(stages)
