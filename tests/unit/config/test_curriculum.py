@@ -240,3 +240,14 @@ def test_a_cluster_preset_naming_no_stage_is_refused():
     stages, problems = plan_with_problems(_rc("curriculum=glm5", "model=glm5_744b", "data=samples",
                                               "+parallel.stages={midtrain_32k: {cpp: 4}}"))
     assert any("parallel.stages.midtrain_32k" in p and "cpp" in p for p in problems), problems
+
+
+def test_the_glm5_recipe_brings_its_model_and_corpus_and_the_command_line_still_wins():
+    """``curriculum=glm5`` alone is GLM-5 744B on the GLM-5 corpus (its stages name that
+    corpus's mixtures); ``model=`` / ``data=`` on the command line replace them."""
+    rc = _rc("curriculum=glm5")
+    assert rc.model.num_layers == 78 and rc.model.hidden_size == 6144
+    stage_mixtures = {st.rc.data.mixture for st in plan_with_problems(rc)[0]}
+    assert stage_mixtures <= set(rc.data.mixtures) and "pretrain" in stage_mixtures
+    rc = _rc("curriculum=glm5", "model=glm5_tiny", "data=samples")
+    assert rc.model.num_layers == 4 and "pretrain" not in rc.data.mixtures
