@@ -66,7 +66,11 @@ def _ep_overlap_problems(par, recompute, dtype, mtp_num_steps, num_experts) -> l
     """megatron-core 0.16.1's conditions for hiding the EP all-to-all behind another
     micro-batch's compute (TransformerConfig.__post_init__)."""
     what = "parallel.overlap_moe_expert_parallel_comm=true"
-    p = []
+    p = [f"{what} is not supported by this pipeline yet: megatron-core 0.16.1 runs it through "
+         "GPTModel.build_schedule_plan and its combined 1F1B schedule, which run one micro-batch's "
+         "forward inside another's backward, outside the model's forward, where this model's "
+         "per-micro-batch context lives (document masks, MTP shifts inside documents, the DSA "
+         "hand-over: parallel.megatron_compat.micro_batch)"]
     if not num_experts or par.ep == 1:
         p.append(f"{what} needs expert parallelism: parallel.ep > 1 (got {par.ep})")
     if recompute == "full":

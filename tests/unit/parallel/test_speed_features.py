@@ -58,6 +58,8 @@ REFUSED = [  # (layout fields, model fields, precision, our message, megatron's)
      "parallel.overlap_param_gather=true needs parallel.distributed_optimizer=true", None),
     (dict(overlap_param_gather=True, distributed_optimizer=True), {}, BF16,
      "parallel.overlap_param_gather=true needs parallel.overlap_grad_reduce=true", None),
+    (dict(cross_entropy_loss_fusion=True), {}, PrecisionConfig(dtype="fp32"),
+     "parallel.cross_entropy_loss_fusion=true needs precision.dtype=bf16 (got fp32)", None),
     (dict(moe_token_dispatcher_type="flex"), {}, BF16,
      "parallel.moe_token_dispatcher_type=flex needs parallel.ep*etp > 1 (got ep=1, etp=1)", None),
 ]
@@ -74,12 +76,15 @@ def test_refused_combinations_name_the_fields_and_megatron_refuses_them_too(fiel
         assert megatrons in _megatron_refuses(par, model, precision)
 
 
-def test_ep_overlap_allowed_where_megatron_allows_it():
-    """One MTP step, bf16, EP2, PP2 x VPP2, selective recompute: no problem, and megatron
-    builds its config with the overlap and the delayed wgrad on."""
+def test_ep_overlap_is_refused_as_unsupported_where_megatron_allows_it():
+    """One MTP step, bf16, EP2, PP2 x VPP2, selective recompute: megatron builds its config with
+    the overlap and the delayed wgrad on; this pipeline refuses it, saying why (its forward step
+    and micro-batch context do not reach megatron's combined 1F1B schedule yet)."""
     model = dataclasses.replace(MOE, mtp_num_steps=1, recompute="selective")
     par = ParallelConfig(overlap_moe_expert_parallel_comm=True, delay_wgrad_compute=True, **EP2)
-    assert _problems(par, model) == []
+    (only,) = _problems(par, model)
+    assert only.startswith("parallel.overlap_moe_expert_parallel_comm=true is not supported by this "
+                           "pipeline yet: megatron-core 0.16.1 runs it through GPTModel.build_schedule_plan")
     tcfg = to_transformer_config(model, par, BF16)
     assert tcfg.overlap_moe_expert_parallel_comm and tcfg.delay_wgrad_compute
 
