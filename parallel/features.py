@@ -66,11 +66,7 @@ def _ep_overlap_problems(par, recompute, dtype, mtp_num_steps, num_experts) -> l
     """megatron-core 0.16.1's conditions for hiding the EP all-to-all behind another
     micro-batch's compute (TransformerConfig.__post_init__)."""
     what = "parallel.overlap_moe_expert_parallel_comm=true"
-    p = [f"{what} is not supported by this pipeline yet: megatron-core 0.16.1 runs it through "
-         "GPTModel.build_schedule_plan and its combined 1F1B schedule, which run one micro-batch's "
-         "forward inside another's backward, outside the model's forward, where this model's "
-         "per-micro-batch context lives (document masks, MTP shifts inside documents, the DSA "
-         "hand-over: parallel.megatron_compat.micro_batch)"]
+    p = []
     if not num_experts or par.ep == 1:
         p.append(f"{what} needs expert parallelism: parallel.ep > 1 (got {par.ep})")
     if recompute == "full":
@@ -85,6 +81,23 @@ def _ep_overlap_problems(par, recompute, dtype, mtp_num_steps, num_experts) -> l
     if par.pp > 1 and (par.vpp or 1) == 1:
         p.append(f"{what} with parallel.pp={par.pp} needs virtual pipeline stages: parallel.vpp > 1 "
                  f"(got {par.vpp})")
+    return p
+
+
+def not_yet_supported(par) -> list[str]:
+    """Features megatron-core has that this pipeline cannot run yet (refused when a run starts;
+    the planner still models them, e.g. to reproduce a published Megatron-LM run)."""
+    p = []
+    if par.overlap_moe_expert_parallel_comm:
+        p.append("parallel.overlap_moe_expert_parallel_comm=true is not supported by this pipeline yet: "
+                 "megatron-core 0.16.1 runs it through GPTModel.build_schedule_plan and its combined 1F1B "
+                 "schedule, which run one micro-batch's forward inside another's backward, outside the "
+                 "model's forward, where this model's per-micro-batch context lives (document masks, MTP "
+                 "shifts inside documents, the DSA hand-over: parallel.megatron_compat.micro_batch)")
+    if par.tp_comm_overlap:
+        p.append("parallel.tp_comm_overlap=true is not supported by this pipeline yet: Transformer "
+                 "Engine's userbuffers must be created at startup (megatron-LM's training loop calls "
+                 "initialize_ub; megatron-core does not), and this pipeline does not create them")
     return p
 
 

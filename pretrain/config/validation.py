@@ -81,19 +81,20 @@ def _dense_only_pipeline_ranks(rc: RunConfig, layout) -> list[str]:
 
 def check_machine(stages) -> None:
     """Refuse, naming each, the features of any stage this machine cannot run (CUDA, Transformer
-    Engine, DeepEP): at launch only -- the planner sizes runs for GPUs it does not have."""
+    Engine, DeepEP) or this pipeline cannot run yet: at launch only -- the planner sizes runs for
+    GPUs it does not have, and models Megatron-LM runs with features this pipeline lacks."""
     import torch
 
-    from parallel.features import machine_problems
+    from parallel.features import machine_problems, not_yet_supported
 
     problems = []
     for st in stages:
-        for p in machine_problems(st.rc.parallel, st.rc.precision, st.rc.optimizer,
-                                  cuda=torch.cuda.is_available()):
+        for p in not_yet_supported(st.rc.parallel) + machine_problems(
+                st.rc.parallel, st.rc.precision, st.rc.optimizer, cuda=torch.cuda.is_available()):
             if p not in problems:
                 problems.append(p)
     if problems:
-        raise ConfigError("this machine cannot run the configured features", problems)
+        raise ConfigError("this run cannot start here", problems)
 
 
 def plan_run(rc: RunConfig, world_size: int, changes: Sequence[Change] = (), check_paths: bool = True) -> list:
