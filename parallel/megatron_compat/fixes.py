@@ -6,6 +6,8 @@ from __future__ import annotations
 import functools
 import queue
 
+import torch
+
 from parallel.megatron_compat import distrib_optimizer, micro_batch, mtp
 from parallel.megatron_compat.version import check_megatron_core
 
@@ -94,6 +96,44 @@ def _in_process_checkpoint_write_results() -> None:
         filesystem_async._results_queue = queue.Queue()
 
 
+def _batched_p2p_pairs_same_peer_by_direction() -> None:
+    """``p2p_communication._batched_p2p_ops`` (``batch_p2p_comm``, megatron-core's default)
+    posts one exchange's operations as ``[send_prev, recv_prev, send_next, recv_next]`` on every
+    rank. Point-to-point messages between two ranks pair in the order they were posted (NCCL's
+    are tagless, gloo's all carry tag 0), so where a pipeline group has two ranks -- the previous
+    rank is the next one -- an exchange with both directions (the interleaved schedule's
+    ``send_forward_backward_recv_forward_backward``, from its first 1F1B step on) paired one
+    rank's gradient for the previous stage with the other's receive of activations, and the
+    reverse: from the first step's later micro-batches on, PP2 x VPP2 computed on the
+    gradients as activations (and on activations as gradients), with no error (same shape).
+    Sends are posted here as ``send_next, send_prev`` and receives as ``recv_prev, recv_next``
+    on every rank: one rank's n-th send to the other is then the other's n-th receive from it,
+    in the role it was sent in. With more than two ranks in the group the peers differ and the
+    order changes nothing. (megatron-LM's training turns ``overlap_p2p_comm`` on for
+    interleaving, whose unbatched ``_p2p_ops`` already post in this order; the shape exchange
+    of ``variable_seq_lengths``, ``_communicate_shapes``, keeps the upstream order: unused here.)"""
+    from megatron.core.pipeline_parallel import p2p_communication
+
+    upstream = p2p_communication._batched_p2p_ops
+    if getattr(upstream, "_pairs_by_direction", False):
+        return
+    P2POp, isend, irecv = torch.distributed.P2POp, torch.distributed.isend, torch.distributed.irecv
+
+    @functools.wraps(upstream)
+    def batched_p2p_ops(*, tensor_send_prev, tensor_recv_prev, tensor_send_next, tensor_recv_next,
+                        group, prev_pipeline_rank, next_pipeline_rank):
+        ops = [P2POp(op, tensor, peer, group) for op, tensor, peer in (
+            (isend, tensor_send_next, next_pipeline_rank),
+            (irecv, tensor_recv_prev, prev_pipeline_rank),
+            (isend, tensor_send_prev, prev_pipeline_rank),
+            (irecv, tensor_recv_next, next_pipeline_rank),
+        ) if tensor is not None]
+        return torch.distributed.batch_isend_irecv(ops) if ops else []
+
+    batched_p2p_ops._pairs_by_direction = True
+    p2p_communication._batched_p2p_ops = batched_p2p_ops
+
+
 def install() -> None:
     """Install every fix once (idempotent); refuses another megatron-core release."""
     global _INSTALLED
@@ -103,6 +143,7 @@ def install() -> None:
     _alltoall_dispatcher_drops_probs_after_combine()
     _te_probes_without_transformer_engine()
     _in_process_checkpoint_write_results()
+    _batched_p2p_pairs_same_peer_by_direction()
     distrib_optimizer.install()
     mtp.install()
     micro_batch.install()

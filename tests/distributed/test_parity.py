@@ -18,6 +18,9 @@ ROWS = [
     Row("tp2_pp2", 4, ("parallel=tp2_pp2",)),
     Row("tp2_sp_ep2", 4, ("parallel=tp2_sp_ep2",)),
     Row("pp2_vpp2", 4, ("parallel=pp2_vpp2",)),
+    # PP2 x VPP2 on DP1: enough micro-batches for the interleaved 1F1B steps, whose exchanges
+    # send activations and gradients both ways between the same two ranks in one batch
+    Row("pp2_vpp2_dp1", 2, ("parallel.pp=2", "parallel.vpp=2")),
     Row("dp2_distopt", 2, ("parallel=dp2_distopt",)),
     Row("ep4", 4, ("parallel=ep4",)),
     # megatron's flexible pipeline layout: an uneven split and a last stage holding only the
@@ -48,6 +51,8 @@ ROWS = [
     Row("packed_yarn_sparse_cp2_tp2", 4, ("parallel=cp2_tp2",), dsa_mode="sparse", shape="long",
         extra=PACKED_YARN, memory_as_planned=False),
 ]
+BY_NAME = {r.name: r for r in ROWS}
+ADAM_ROW, MUON_ROW = BY_NAME["tp2_pp2"], BY_NAME["muon_tp2"]  #: the references the last two tests read
 
 
 @pytest.fixture(scope="session")
@@ -65,7 +70,7 @@ def test_layout_trains_as_one_rank(parity, row):
 def test_one_rank_references_use_planned_memory(parity):
     from tests.support.parity import assert_memory_as_planned
 
-    for row in (ROWS[0], ROWS[5]):  # Adam; Muon (momentum and the zero exp_avg_sq, Adam for the rest)
+    for row in (ADAM_ROW, MUON_ROW):  # Adam; Muon (momentum and the zero exp_avg_sq, Adam for the rest)
         assert_memory_as_planned(parity.reference_dir(row))
 
 
@@ -73,8 +78,8 @@ def test_one_rank_references_use_planned_memory(parity):
 def test_muon_moves_away_from_adam(parity):
     """The Muon rows compare the Muon path: from the same start its losses part from Adam's once
     an update with LR > 0 was applied (the first runs at LR 0: warm-up from 0)."""
-    adam, _ = parity.reference(ROWS[0])
-    muon, _ = parity.reference(ROWS[5])
+    adam, _ = parity.reference(ADAM_ROW)
+    muon, _ = parity.reference(MUON_ROW)
     assert muon[1]["lm_loss"] == pytest.approx(adam[1]["lm_loss"], rel=1e-12)
     for m, a in zip(muon[2:], adam[2:]):
         assert abs(m["lm_loss"] - a["lm_loss"]) > 1e-3, m["step"]

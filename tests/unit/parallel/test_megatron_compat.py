@@ -68,6 +68,8 @@ assert type(filesystem_async._results_queue) is queue.Queue
 assert CheckpointFunction.forward.__name__ == "forward_in_micro_batch"
 assert Attention._checkpointed_attention_forward.__code__.co_name == "checkpointed_attention_forward"
 assert transformer_engine.te_checkpoint.__code__.co_name == "checkpoint_in_micro_batch"
+from megatron.core.pipeline_parallel import p2p_communication
+assert p2p_communication._batched_p2p_ops.__code__.co_name == "batched_p2p_ops"
 print("ok")
 """
     out = subprocess.run([sys.executable, "-W", "ignore", "-c", probe], cwd=REPO, capture_output=True,
@@ -348,6 +350,68 @@ def test_checkpoint_write_results_use_an_in_process_queue():
 
     megatron_compat.install()
     assert type(filesystem_async._get_write_results_queue()) is queue.Queue
+
+
+# --- batched pipeline exchanges between the two ranks of a PP2 group (2 real gloo ranks) ----------
+
+
+def _pp2_exchange_worker(rank: int, port: int) -> None:
+    """Each rank sends activations (10 + rank) to the next stage and gradients (20 + rank) to the
+    previous one in one batch, as the interleaved schedule's 1F1B steps do; the previous and
+    next rank are the one other rank. Megatron's order crosses them; the fix's pairs them."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    from megatron.core.pipeline_parallel import p2p_communication
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=timedelta(seconds=60))
+    try:
+        fixed = p2p_communication._batched_p2p_ops
+        upstream = getattr(fixed, "__wrapped__", fixed)
+        fixes._batched_p2p_pairs_same_peer_by_direction()
+        fixed, peer = p2p_communication._batched_p2p_ops, 1 - rank
+        got = {}
+        for name, ops in (("upstream", upstream), ("fixed", fixed)):
+            recv_prev, recv_next = torch.empty(3), torch.empty(3)
+            for req in ops(tensor_send_prev=torch.full((3,), 20.0 + rank), tensor_recv_prev=recv_prev,
+                           tensor_send_next=torch.full((3,), 10.0 + rank), tensor_recv_next=recv_next,
+                           group=dist.group.WORLD, prev_pipeline_rank=peer, next_pipeline_rank=peer):
+                req.wait()
+            got[name] = (recv_prev[0].item(), recv_next[0].item())
+        want = (10.0 + peer, 20.0 + peer)  # the previous stage's activations, the next one's grads
+        assert got["upstream"] == want[::-1], f"rank {rank}: megatron's order no longer crosses: {got}"
+        assert got["fixed"] == want, f"rank {rank}: {got}"
+    finally:
+        dist.destroy_process_group()
+
+
+def _pp2_exchange_child(_index: int, port: int) -> None:
+    _pp2_exchange_worker(1, port)
+
+
+@pytest.mark.heavy
+def test_batched_exchange_between_two_pipeline_ranks_pairs_activations_and_gradients():
+    """Rank 0 is this process, rank 1 a spawned child (as in ``test_cpu_emulation``)."""
+    import torch.distributed as dist
+
+    from parallel.initialize import free_port
+
+    if dist.is_initialized():
+        pytest.fail("a process group is already initialized in the test process")
+    port = free_port()
+    child = torch.multiprocessing.start_processes(
+        _pp2_exchange_child, args=(port,), nprocs=1, join=False, start_method="spawn")
+    try:
+        _pp2_exchange_worker(0, port)
+    except BaseException:
+        for proc in child.processes:
+            proc.kill()
+        raise
+    if not child.join(timeout=120):
+        for proc in child.processes:
+            proc.kill()
+        pytest.fail("rank 1 did not finish within 120 s")
 
 
 # --- meta_rank: megatron's parallel state for a meta build -----------------------------------------
