@@ -10,6 +10,7 @@ import os
 import queue
 import subprocess
 import sys
+import time
 import weakref
 from types import SimpleNamespace
 
@@ -386,32 +387,22 @@ def _pp2_exchange_worker(rank: int, port: int) -> None:
         dist.destroy_process_group()
 
 
-def _pp2_exchange_child(_index: int, port: int) -> None:
-    _pp2_exchange_worker(1, port)
-
-
 @pytest.mark.heavy
 def test_batched_exchange_between_two_pipeline_ranks_pairs_activations_and_gradients():
-    """Rank 0 is this process, rank 1 a spawned child (as in ``test_cpu_emulation``)."""
-    import torch.distributed as dist
-
+    """Both ranks are spawned processes (this one may hold a one-rank process group)."""
     from parallel.initialize import free_port
 
-    if dist.is_initialized():
-        pytest.fail("a process group is already initialized in the test process")
-    port = free_port()
-    child = torch.multiprocessing.start_processes(
-        _pp2_exchange_child, args=(port,), nprocs=1, join=False, start_method="spawn")
+    ctx = torch.multiprocessing.start_processes(
+        _pp2_exchange_worker, args=(free_port(),), nprocs=2, join=False, start_method="spawn")
+    deadline = time.monotonic() + 120
     try:
-        _pp2_exchange_worker(0, port)
-    except BaseException:
-        for proc in child.processes:
-            proc.kill()
-        raise
-    if not child.join(timeout=120):
-        for proc in child.processes:
-            proc.kill()
-        pytest.fail("rank 1 did not finish within 120 s")
+        while not ctx.join(timeout=max(1.0, deadline - time.monotonic())):  # raises a rank's failure
+            if time.monotonic() > deadline:  # (join returns as each rank ends)
+                pytest.fail("the two ranks did not finish within 120 s")
+    finally:
+        for proc in ctx.processes:
+            if proc.is_alive():
+                proc.kill()
 
 
 # --- meta_rank: megatron's parallel state for a meta build -----------------------------------------
