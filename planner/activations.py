@@ -211,7 +211,7 @@ def _core_internals(d: _Dims, m) -> int:
     """What the DSA core attention keeps besides its inputs and output."""
     n, dsa = d.heads, m.dsa
     lse = d.q * n * FP32 if d.plain_causal else 0
-    if dsa.mode == "dense":
+    if dsa.mode in ("dense", "none"):
         return lse
     heads, hd, rope, c = dsa.index_heads, dsa.index_head_dim, m.qk_rope_head_dim, m.kv_lora_rank
     out = d.q * (d.a * hd + 2 * FP32) + d.positions * d.a * rope  # wk out, k_norm stats, RoPE

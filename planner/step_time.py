@@ -134,7 +134,7 @@ class _Grads:
         from model_providers.glm5.counting.flops import attention_matmul_params
 
         d, h, mode = m.dsa, m.hidden_size, m.dsa.mode
-        if mode != "dense":
+        if mode not in ("dense", "none"):  # none: the model has no indexer
             index = d.index_heads * d.index_head_dim * m.q_lora_rank + d.index_head_dim * h \
                 + d.index_heads * h
             self.dense += index + 2 * d.index_head_dim

@@ -57,7 +57,7 @@ class StageConfig:
     micro_batch_size: Optional[int] = None  #: null = trainer.micro_batch_size
     lr: StageLRConfig = field(default_factory=StageLRConfig)
     mixture: Optional[str] = None  #: data mixture name; null = data.mixture
-    dsa_mode: Optional[str] = None  #: dense | warmup | sparse; null = model.dsa.mode
+    dsa_mode: Optional[str] = None  #: dense | warmup | sparse; null = model.dsa.mode (none, no indexer: only dense or none)
     trainable: List[str] = field(default_factory=list)  #: regexes over parameter names; empty = all the DSA mode trains
     rope_theta: Optional[float] = None  #: null = model.rope_theta
     rope_type: Optional[str] = None  #: rope | yarn; null = model.rope_type
@@ -136,8 +136,8 @@ def _apply(rc, s: StageConfig, steps: int, where: str, problems: list):
         t.eval_every = s.eval_every
     if s.mixture is not None:
         out.data.mixture = s.mixture
-    if s.dsa_mode is not None:
-        out.model.dsa.mode = s.dsa_mode
+    if s.dsa_mode is not None and not (s.dsa_mode == "dense" and out.model.dsa.mode == "none"):
+        out.model.dsa.mode = s.dsa_mode  # a dense stage of a model without an indexer stays none
     if s.rope_theta is not None:
         out.model.rope_theta = s.rope_theta
     if s.rope_type is not None:
@@ -230,6 +230,21 @@ def _check_stage(s: StageConfig, st: Stage, where: str) -> list:
     return p
 
 
+def _indexer_problems(s: StageConfig, model_mode: str, where: str) -> list:
+    """``model.dsa.mode=none`` builds no indexer (DeepSeek-V3): whether the network has one is
+    the model's, not a stage's, so a stage may not switch between none and the indexer modes
+    (its checkpoint would lack, or carry, the indexer's parameters). A dense stage (attention over
+    every key, no indexer computed) is what such a model does anyway: it stays none."""
+    if s.dsa_mode is None or (s.dsa_mode == "none") == (model_mode == "none") or \
+            (s.dsa_mode, model_mode) == ("dense", "none"):
+        return []
+    if model_mode == "none":
+        return [f"{where}.dsa_mode={s.dsa_mode} needs the DSA lightning indexer, but model.dsa.mode=none "
+                "builds none (a model without one, such as DeepSeek-V3: leave the stage's dsa_mode unset or dense)"]
+    return [f"{where}.dsa_mode=none removes the DSA indexer that model.dsa.mode={model_mode} builds: "
+            "set model.dsa.mode=none for a model without one"]
+
+
 def plan(rc) -> tuple[List[Stage], List[str]]:
     """Resolve every stage; returns the stages and the problems found (empty when it can run)."""
     cur = rc.curriculum
@@ -250,6 +265,7 @@ def plan(rc) -> tuple[List[Stage], List[str]]:
         st = Stage(i, s.name, steps, _apply(rc, s, steps, where, problems), s.optimizer_state,
                    list(s.trainable))
         problems += _check_stage(s, st, where)
+        problems += _indexer_problems(s, rc.model.dsa.mode, where)
         stages.append(st)
     _assign_data_offsets(stages)
     names = [s.name for s in stages]

@@ -24,7 +24,7 @@ def _model(m, preset: Optional[str]) -> str:
     mtp = f", MTP x{m.mtp_num_steps}" if m.mtp_num_steps else ""
     name = f"{preset}: " if preset else ""
     return (f"{name}{m.num_layers} layers ({ffn}), hidden {m.hidden_size}, MLA x "
-            f"{m.num_attention_heads} heads + DSA{mtp}, vocab {m.vocab_size}")
+            f"{m.num_attention_heads} heads{' + DSA' if m.dsa.mode != 'none' else ''}{mtp}, vocab {m.vocab_size}")
 
 
 def _layout(par, dp: int, world_size: int) -> str:

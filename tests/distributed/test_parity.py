@@ -30,6 +30,9 @@ ROWS = [
     # all-gathered by the next forward's pre-hooks (and in full before the checkpoint save)
     Row("dp2_overlap_grad_param", 2, ("parallel=dp2_distopt", "parallel.overlap_grad_reduce=true",
                                       "parallel.overlap_param_gather=true")),
+    # DeepSeek-V3 at toy size (no DSA indexer, 8 experts in 4 groups top-2 groups, YaRN, MTP x1):
+    # the layout splits heads and experts, and routes across EP ranks by group
+    Row("deepseek_v3_tiny_tp2_sp_ep2", 4, ("parallel=tp2_sp_ep2",), dsa_mode="none", shape="deepseek_v3_tiny"),
     # Muon Split: TP gathers each TP-sharded whole matrix before orthogonalising (per-head
     # up-projection blocks stay local); the distributed optimizer rebuilds whole matrices from
     # the ranks' flat shards; the last stage's MTP copy of the word embedding is stepped like the

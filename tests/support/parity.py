@@ -35,12 +35,14 @@ REL = 1e-5
 KL_ABS = 1e-8
 MUON = ("optimizer=muon_split", "optimizer.lr=0.003", "optimizer.min_lr=0.0003",
         "optimizer.muon.lr=0.003", "optimizer.muon.min_lr=0.0003")
-#: model shapes: the tiny GLM-5 as configured, and two of its layers at 1024 tokens for context
-#: parallelism (one dense-FFN and one MoE layer, both with DSA; one sequence per step; the DSA
-#: runs on the torch path in both runs: under the strict emulation's tracked device the fused CPU
-#: kernel does not run, and the comparison is about the layout alone)
+#: model shapes: the tiny GLM-5 as configured, the tiny DeepSeek-V3 (no DSA indexer), and two of
+#: the tiny GLM-5's layers at 1024 tokens for context parallelism (one dense-FFN and one MoE layer,
+#: both with DSA; one sequence per step; the DSA runs on the torch path in both runs: under the
+#: strict emulation's tracked device the fused CPU kernel does not run, and the comparison is
+#: about the layout alone)
 SHAPES = {
     "tiny": (),
+    "deepseek_v3_tiny": ("model=deepseek_v3_tiny",),
     "long": ("model.num_layers=2", "trainer.seq_length=1024", "trainer.global_batch_size=1",
              "trainer.micro_batch_size=1", "model.dsa.query_chunk=256", "model.dsa.topk=128",
              "model.dsa.kernels=torch"),
@@ -120,7 +122,7 @@ def assert_same_training(want: list, have: list, want_topk: dict, have_topk: dic
     always compared: both runs start from the same weights, so a selection can differ there only
     by a near-tie the layout's summation order moved (seen: one row of 4,480 under CP2 x TP2,
     which moved the step's loss by 2.7e-6)."""
-    keys = ["lm_loss", "mtp_loss", "loss", "grad_norm"] + (["indexer_kl"] if dsa_mode != "dense" else [])
+    keys = ["lm_loss", "mtp_loss", "loss", "grad_norm"] + (["indexer_kl"] if dsa_mode not in ("dense", "none") else [])
     if dsa_mode == "sparse":  # both runs recorded every step's selections
         assert set(want_topk) == set(have_topk) == {r["step"] for r in want}, (sorted(want_topk), sorted(have_topk))
     compared = 0

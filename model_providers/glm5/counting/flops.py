@@ -229,7 +229,7 @@ class _Layer:
         which every TP rank computes whole: the indexer's heads are not split and it reads the
         TP-gathered sequence)."""
         m, L, d = self.m, self.L, self.m.dsa
-        if self.mode == "dense":
+        if self.mode in ("dense", "none"):
             return _Work(), _Work()
         H, hd, h = d.index_heads, d.index_head_dim, m.hidden_size
         again = self._again("core_attn")

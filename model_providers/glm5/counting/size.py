@@ -17,9 +17,12 @@ class ModelSize:
 
 
 def _attention(m: GLM5Config) -> int:
-    """MLA (low-rank q and kv, their norms) + the DSA lightning indexer."""
+    """MLA (low-rank q and kv, their norms) + the DSA lightning indexer (none is built with
+    ``dsa.mode=none``)."""
     mla = attention_matmul_params(m) + m.q_lora_rank + m.kv_lora_rank  # + the q/kv latent norms
     d = m.dsa
+    if d.mode == "none":
+        return mla
     indexer = (d.index_heads * d.index_head_dim * m.q_lora_rank + d.index_head_dim * m.hidden_size
                + 2 * d.index_head_dim + d.index_heads * m.hidden_size)
     return mla + indexer

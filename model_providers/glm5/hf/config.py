@@ -180,6 +180,9 @@ def glm5_from_hf(hf, **training_fields) -> GLM5Config:
 
 def check_exportable(cfg: GLM5Config) -> None:
     p = []
+    if cfg.dsa.mode == "none":
+        p.append("model.dsa.mode=none: the model has no DSA indexer, which GlmMoeDsaForCausalLM "
+                 "always builds (a DeepSeek-V3 export, DeepseekV3ForCausalLM, is not implemented)")
     if not cfg.dsa.rope_interleaved:
         p.append("model.dsa.rope_interleaved=false: HF's GlmMoeDsaIndexer rotates interleaved pairs")
     if cfg.dsa.hadamard:

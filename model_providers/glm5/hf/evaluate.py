@@ -20,6 +20,8 @@ from parallel.megatron_compat import reset_loss_trackers
 
 
 def eval_config(cfg: GLM5Config, dsa_mode: str = "sparse", mtp_num_steps: int = 0) -> GLM5Config:
+    """``cfg`` for evaluation; a model built without an indexer (``dsa.mode=none``) stays so."""
+    dsa_mode = "none" if cfg.dsa.mode == "none" else dsa_mode
     dsa = dataclasses.replace(cfg.dsa, mode=dsa_mode, indexer_dtype="fp32")
     return dataclasses.replace(cfg, mtp_num_steps=mtp_num_steps, dsa=dsa)
 

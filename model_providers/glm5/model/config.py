@@ -19,7 +19,7 @@ class DSAConfig:
 
     Defaults are the tiny model's (conf/model/glm5_tiny.yaml), like :class:`GLM5Config`'s."""
 
-    mode: str = "dense"  #: dense | warmup | sparse
+    mode: str = "dense"  #: none (no indexer built: DeepSeek-V3) | dense | warmup | sparse
     index_heads: int = 4  #: lightning-indexer heads (GLM-5: 32)
     index_head_dim: int = 32  #: indexer head dim (GLM-5: 128)
     topk: int = 32  #: keys each query attends to in sparse mode (GLM-5 ``index_topk``: 2048)
@@ -147,8 +147,8 @@ def check_model(cfg: GLM5Config, precision: PrecisionConfig, seq_length: int) ->
     if cfg.qk_rope_head_dim % 2:
         p.append(f"model.qk_rope_head_dim={cfg.qk_rope_head_dim} must be even")
     p += _rope_problems(cfg)
-    if cfg.dsa.mode not in ("dense", "warmup", "sparse"):
-        p.append(f"model.dsa.mode={cfg.dsa.mode!r} must be dense, warmup or sparse")
+    if cfg.dsa.mode not in ("none", "dense", "warmup", "sparse"):
+        p.append(f"model.dsa.mode={cfg.dsa.mode!r} must be none, dense, warmup or sparse")
     if cfg.dsa.indexer_dtype not in ("fp8", "bf16", "fp32"):
         p.append(f"model.dsa.indexer_dtype={cfg.dsa.indexer_dtype!r} must be fp8, bf16 or fp32")
     if cfg.dsa.indexer_dtype == "fp8" and cfg.dsa.index_head_dim % 128:

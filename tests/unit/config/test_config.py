@@ -202,7 +202,7 @@ def test_bad_wandb_mode():
 def test_check_model_directly():
     rc = _rc()
     bad = dataclasses.replace(rc.model, dsa=dataclasses.replace(rc.model.dsa, mode="nope"))
-    assert check_model(bad, rc.precision, 128) == ["model.dsa.mode='nope' must be dense, warmup or sparse"]
+    assert check_model(bad, rc.precision, 128) == ["model.dsa.mode='nope' must be none, dense, warmup or sparse"]
     assert check_model(rc.model, rc.precision, 4097) == [
         "trainer.seq_length=4097 exceeds model.max_position_embeddings=4096"]
     assert check_model(rc.model, rc.precision, 4096) == []

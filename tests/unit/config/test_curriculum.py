@@ -159,6 +159,23 @@ def test_a_stage_switches_to_yarn():
     assert (t.rope_type, t.rotary_scaling_factor, t.original_max_position_embeddings) == ("yarn", 8.0, 128)
 
 
+def test_a_model_without_an_indexer_refuses_indexer_stages():
+    """``model.dsa.mode=none`` (DeepSeek-V3) builds no indexer: a warm-up or sparse stage is
+    refused naming both fields, dense stages stay none (same attention, no indexer to freeze),
+    and a stage may not drop the indexer of a model that has one."""
+    msg = _error("model=deepseek_v3_tiny")
+    for i, name, mode in ((5, "dsa_warmup", "warmup"), (6, "dsa_sparse", "sparse")):
+        assert (f"curriculum.stages[{i}] ({name}).dsa_mode={mode} needs the DSA lightning indexer, "
+                "but model.dsa.mode=none builds none") in msg
+    assert "stages[0]" not in msg  # its dense stage is fine
+    stages = plan_run(_rc("model=deepseek_v3_tiny", "curriculum.stages.5.dsa_mode=null",
+                          "curriculum.stages.6.dsa_mode=dense"), 1)
+    assert [s.rc.model.dsa.mode for s in stages] == ["none"] * 7
+    msg = _error("curriculum.stages.0.dsa_mode=none")
+    assert ("curriculum.stages[0] (pretrain_general).dsa_mode=none removes the DSA indexer that "
+            "model.dsa.mode=dense builds") in msg
+
+
 def test_parallel_override_must_divide_the_world():
     msg = _error("+curriculum.stages.6.parallel.tp=2", "+curriculum.stages.6.parallel.sequence_parallel=true",
                  world=3)

@@ -254,6 +254,96 @@ class TestGLM5_744B:
         assert model.output_layer.weight is not model.embedding.word_embeddings.weight
 
 
+# --- deepseek_v3_671b: counted, and built on the meta device ----------------------------------
+
+#: DeepSeek-V3's published sizes (HF model card and README_WEIGHTS.md of deepseek-ai/DeepSeek-V3;
+#: technical report arXiv:2412.19437): 671B main model, 685B on Hugging Face (+ "14B" of MTP),
+#: 36.6B activated by the main model per token including the 0.9B output head (the report's 37B).
+DSV3_MAIN, DSV3_HF_TOTAL, DSV3_MTP, DSV3_ACTIVE = 671e9, 685e9, 14e9, 36.6e9
+
+
+def _dsv3_published_counts(cfg: GLM5Config, total: int, mtp: int, active: int) -> dict:
+    """Our counts in the published figures' terms, each against the figure at the precision it
+    is published with (half its last digit): 671B and 685B are whole billions (+-0.5B); 14B is
+    685B - 671B, two rounded figures (+-1B); 36.6B is to 0.1B (+-0.05B). The HF dump stores the
+    MTP layer's own copies of the embedding and output head (megatron's MTP shares the main
+    model's: 2 x 129280 x 7168 = 1.85B more there), the routers' ``e_score_correction_bias``
+    (megatron's ``expert_bias`` buffer, 59 x 256) and, being an FP8 dump, one fp32
+    ``weight_scale_inv`` per 128 x 128 block of each FP8 weight (41.5M; without them the dump
+    would be 684.49B, "684B"). ``active`` excludes embedding and head."""
+    vocab_h = cfg.padded_vocab_size(1) * cfg.hidden_size
+    bias = (cfg.num_moe_layers + 1) * cfg.num_experts
+    return {"main": (total - mtp, DSV3_MAIN, 0.5e9),
+            "hf_total": (total + 2 * vocab_h + bias + _dsv3_fp8_scales(cfg), DSV3_HF_TOTAL, 0.5e9),
+            "mtp": (mtp + 2 * vocab_h, DSV3_MTP, 1e9),
+            "active": (active + vocab_h, DSV3_ACTIVE, 0.05e9)}
+
+
+def _dsv3_fp8_scales(cfg: GLM5Config) -> int:
+    """fp32 block scales of the HF dump's FP8 weights (``quantization_config``: 128 x 128
+    blocks): every linear layer of the decoder layers and the MTP layer but the routers (bf16),
+    and ``eh_proj``; not the embedding, the head or the norms."""
+    def blocks(out: int, inp: int) -> int:
+        return -(-out // 128) * -(-inp // 128)
+
+    h, n = cfg.hidden_size, cfg.num_attention_heads
+    qk, rope = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.qk_rope_head_dim
+    attention = (blocks(cfg.q_lora_rank, h) + blocks(n * qk, cfg.q_lora_rank)
+                 + blocks(cfg.kv_lora_rank + rope, h)
+                 + blocks(n * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank)
+                 + blocks(h, n * cfg.v_head_dim))
+    dense = attention + 2 * blocks(cfg.ffn_hidden_size, h) + blocks(h, cfg.ffn_hidden_size)
+    expert = 2 * blocks(cfg.moe_ffn_hidden_size, h) + blocks(h, cfg.moe_ffn_hidden_size)
+    moe = attention + (cfg.num_experts + cfg.num_shared_experts) * expert
+    return cfg.first_k_dense * dense + (cfg.num_moe_layers + 1) * moe + blocks(h, 2 * h)
+
+
+def test_deepseek_v3_counts_match_the_published_sizes():
+    """The project's counter on conf/model/deepseek_v3_671b.yaml (no model built): main model
+    671,026,404,352 (671B), with the HF dump's MTP copies, expert biases and FP8 block scales
+    684,531,392,272 (685B), MTP 13.46B (685B - 671B = "14B"), 36.63B active with the head (36.6B; 37B)."""
+    from model_providers.glm5.counting.size import model_size
+
+    cfg = _load_model_yaml("deepseek_v3_671b")
+    s = model_size(cfg)
+    assert (s.total, s.mtp, s.active) == (682_636_472_320, 11_610_067_968, 35_698_924_544)
+    assert _dsv3_fp8_scales(cfg) == 41_546_768
+    for name, (ours, published, tol) in _dsv3_published_counts(cfg, s.total, s.mtp, s.active).items():
+        assert abs(ours - published) <= tol, (name, ours, published)
+    assert round((s.active + cfg.padded_vocab_size(1) * cfg.hidden_size) / 1e9) == 37  # the report's figure
+
+
+@pytest.mark.heavy  # builds the 683B model on meta (~10 s)
+def test_deepseek_v3_built_on_meta_is_the_counted_model_without_an_indexer():
+    """megatron builds exactly what the counter counts, with no DSA indexer anywhere, DeepSeek-V3's
+    group-limited routing (8 groups, top 4), YaRN and one MTP layer applied once."""
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    from model_providers.glm5.counting.size import model_size
+
+    cfg = _load_model_yaml("deepseek_v3_671b")
+    tcfg = to_transformer_config(cfg, ParallelConfig(), PrecisionConfig())
+    tcfg.use_cpu_initialization = True
+    tcfg.perform_initialization = False
+    with torch.device("meta"):
+        (model,) = build_model_chunks(cfg, tcfg, "local")
+    names = [n for n, _ in model.named_parameters()]
+    assert not [n for n in names if "indexer" in n]
+    assert all(l.self_attention.core_attention.indexer is None for l in model.decoder.layers)
+    ours = sum(p.numel() for p in model.parameters())
+    mtp = sum(p.numel() for n, p in model.named_parameters() if n.startswith("mtp."))
+    assert (ours, mtp) == (model_size(cfg).total, model_size(cfg).mtp)
+    layers = model.decoder.layers
+    assert [isinstance(l.mlp, MoELayer) for l in layers] == [False] * 3 + [True] * 58
+    assert len(model.mtp.layers) == 1 and tcfg.mtp_num_layers == 1
+    assert (tcfg.moe_router_num_groups, tcfg.moe_router_group_topk, tcfg.moe_router_topk) == (8, 4, 8)
+    assert (tcfg.rope_type, tcfg.rotary_scaling_factor, tcfg.mscale_all_dim) == ("yarn", 40.0, 1.0)
+    a = layers[0].self_attention
+    assert tuple(a.linear_q_up_proj.weight.shape) == (128 * 192, 1536)
+    assert tuple(a.linear_kv_up_proj.weight.shape) == (128 * 256, 512)
+    del model
+
+
 # --- the tiny model, built for real ------------------------------------------------------------
 
 
@@ -427,6 +517,33 @@ def test_mtp_depths_two_and_three_reach_the_shared_parameters(tiny, batch):
     torch.testing.assert_close(loss1, loss3, rtol=1e-6, atol=1e-6)
     rel = ((g3 - g1).norm() / g1.norm()).item()
     assert rel > 0.1, f"depths 2-3 changed eh_proj's gradient by only {rel:.2e} (relative)"
+
+
+def test_dsa_mode_none_builds_no_indexer_and_trains_as_dense(tiny, batch):
+    """``dsa.mode=none`` (DeepSeek-V3): no indexer module or parameter; given the dense model's
+    weights (less its indexers) the losses and every gradient are the dense model's, bit for bit
+    (the same attention path). The DeepSeek-V3 tiny preset trains (MTP x1, grouped routing)."""
+    cfg, _, dense = tiny
+    none_cfg = dataclasses.replace(cfg, dsa=dataclasses.replace(cfg.dsa, mode="none"))
+    _, model = _build_tiny(none_cfg)
+    assert not [n for n, _ in model.named_parameters() if "indexer" in n]
+    assert all(l.self_attention.core_attention.indexer is None for l in model.decoder.layers)
+    assert model.mtp.layers[0].transformer_layer.self_attention.core_attention.indexer is None
+    weights = {k: v for k, v in dense.state_dict().items() if ".indexer." not in k}
+    model.load_state_dict(weights, strict=True)
+    want, want_mtp = _train_forward_backward(dense, batch)
+    have, have_mtp = _train_forward_backward(model, batch)
+    assert torch.equal(have, want) and torch.equal(have_mtp, want_mtp)
+    grads = dict(dense.named_parameters())
+    for name, p in model.named_parameters():
+        assert torch.equal(p.grad, grads[name].grad), name
+
+    dsv3 = _load_model_yaml("deepseek_v3_tiny")
+    tcfg, tiny_v3 = _build_tiny(dsv3)
+    assert (tcfg.moe_router_num_groups, tcfg.moe_router_group_topk, tcfg.mtp_num_layers) == (4, 2, 1)
+    assert not [n for n, _ in tiny_v3.named_parameters() if "indexer" in n]
+    loss, mtp = _train_forward_backward(tiny_v3, batch)
+    assert mtp.shape == (1,) and bool(torch.isfinite(loss).all())
 
 
 def test_router_sigmoid_bias_normalised_topk_scaled(tiny):

@@ -1,6 +1,7 @@
 """GLM-5 attention: megatron's MLA whose core attention is DeepSeek Sparse Attention.
 
 Modes (``model.dsa.mode``):
+- ``none``: no indexer at all (built without one: DeepSeek-V3); plain causal MLA as ``dense``.
 - ``dense``: causal softmax attention over all keys; no indexer compute.
 - ``warmup``: dense attention; the indexer is trained by the dense-form KL (the caller freezes
   everything else, see :func:`model_providers.glm5.model.dsa.modes.apply_dsa_mode`).
@@ -165,7 +166,7 @@ class DSACoreAttention(MegatronModule):
         self.dsa = dsa
         self.layer_number = layer_number
         self.softmax_scale = softmax_scale
-        self.indexer = LightningIndexer(config, dsa)
+        self.indexer = None if dsa.mode == "none" else LightningIndexer(config, dsa)
 
     def forward(self, query, key, value, attention_mask=None, attn_mask_type=None,
                 attention_bias=None, packed_seq_params=None, **unused):
@@ -177,7 +178,7 @@ class DSACoreAttention(MegatronModule):
         layout = TokenLayout.build(s, key.shape[0], _document_ids(attention_mask),
                                    local_positions(s), query.device)
         mode = self.dsa.mode
-        if mode == "dense":
+        if mode in ("dense", "none"):
             return self._dense(query, key, value, layout)
         if mla is None:
             raise RuntimeError(

@@ -12,13 +12,14 @@ def is_indexer_param(name: str) -> bool:
 
 
 def apply_dsa_mode(model_chunks, tcfg, mode: str) -> None:
-    """dense: everything but the indexer trains (it is not computed); warmup: only the indexer
+    """none: everything trains (the model has no indexer); dense: everything but the indexer trains (it is not computed); warmup: only the indexer
     trains (the aux-loss-free expert bias is held: its update rate is 0, so nothing else changes); sparse:
     everything trains. Call before DDP wrapping and optimizer construction."""
     for chunk in model_chunks:
         for name, param in chunk.named_parameters():
             indexer = is_indexer_param(name)
-            param.requires_grad = {"dense": not indexer, "warmup": indexer, "sparse": True}[mode]
+            param.requires_grad = {"none": True, "dense": not indexer, "warmup": indexer,
+                                   "sparse": True}[mode]
     if mode == "warmup":  # routing still counts tokens (load-balance metrics), the bias holds
         tcfg.moe_router_bias_update_rate = 0.0
         for chunk in model_chunks:
