@@ -104,22 +104,25 @@ def activation_bytes(rc, layout, pp_rank: int, backend: str | None = None,
     _check(rc, layout, pp_rank, backend, cp_rank)
     d = _dims(rc, backend, cp_rank)
     chunks = _rank_chunks(rc, layout, pp_rank)
-    saved = [_chunk_saved(d, m, layers, first, last) for layers, first, last in chunks]
+    saved = [_chunk_saved(d, m, layers, first, mtp, loss) for layers, first, mtp, loss in chunks]
     per_mb = sum(saved)
     micro_batches = t.global_batch_size // (t.micro_batch_size * layout.dp)
-    held, last_held = _held_at_peak(saved, par.pp, pp_rank, par.virtual_stages, micro_batches)
-    has_last = chunks[-1][2]
-    moe_here = any(_is_moe(m, i) for layers, _, _ in chunks for i in layers)
-    moe_here |= has_last and bool(m.mtp_num_steps) and _is_moe(m, m.num_layers - 1)
+    loss_v = next((v for v, c in enumerate(chunks) if c[3]), None)
+    held, loss_held = _held_at_peak(saved, par.pp, pp_rank, par.virtual_stages, micro_batches,
+                                    par.virtual_stages - 1 if loss_v is None else loss_v)
+    has_mtp = any(c[2] for c in chunks) and bool(m.mtp_num_steps)
+    has_loss = loss_v is not None
+    moe_here = any(_is_moe(m, i) for layers, _, _, _ in chunks for i in layers)
+    moe_here |= has_mtp and _is_moe(m, m.num_layers - 1)
     dispatcher = _dispatcher(d, m) if moe_here else 0
-    working = max(_working(d, m, layers, last) for layers, _, last in chunks)
+    working = max(_working(d, m, layers, mtp, loss) for layers, _, mtp, loss in chunks)
     logits, other_logits = 0, 0
-    if has_last:
+    if has_loss:
         kept, transient = _logits(d, m, par.tp)
-        logits = last_held * kept + transient
-        other_logits = max(last_held - 1, 0) * kept
-    layers_phase = other_logits + working + max(0, dispatcher - _gradients(d, m, has_last))
-    buffers = _sp_gather(d, m, has_last)
+        logits = loss_held * kept + transient
+        other_logits = max(loss_held - 1, 0) * kept
+    layers_phase = other_logits + working + max(0, dispatcher - _gradients(d, m, has_loss))
+    buffers = _sp_gather(d, m, has_mtp)
     peak = buffers + held + max(logits, layers_phase)
     return ActivationBytes(per_mb, held / per_mb if per_mb else 0.0, dispatcher, logits, working,
                            buffers, peak)
@@ -158,15 +161,24 @@ def _is_moe(m, layer: int) -> bool:
 
 
 def _rank_chunks(rc, layout, pp_rank: int) -> list:
-    """(global layer numbers, holds the embedding, holds the heads) per model chunk of this
-    rank, in virtual-stage order (``layout.layers_per_stage`` is in model order)."""
+    """(global layer numbers, holds the embedding, holds the MTP module, holds the loss and the
+    output heads) per model chunk of this rank, in virtual-stage order (``layout.layers_per_stage``
+    is in model order; ``parallel.pipeline_layout`` places the pieces, else the first and last
+    chunks hold them)."""
     pp, v = rc.parallel.pp, rc.parallel.virtual_stages
     counts = layout.layers_per_stage
+    last = pp * v - 1
+
+    def at(piece: str, default: int) -> int:
+        c = getattr(layout, f"{piece}_chunk", default)
+        return last if c is None or c < 0 else c
+
+    embedding, mtp, loss = at("embedding", 0), at("mtp", last), at("loss", last)
     out = []
     for vp in range(v):
         index = vp * pp + pp_rank
         start = sum(counts[:index])
-        out.append((range(start, start + counts[index]), index == 0, index == pp * v - 1))
+        out.append((range(start, start + counts[index]), index == embedding, index == mtp, index == loss))
     return out
 
 
@@ -283,17 +295,20 @@ def _mtp_depth(d: _Dims, m, last: bool, drop) -> int:
     return emb + 3 * _norm(d, h, d.r) + concat + out_kept + _layer(d, m, moe, drop)
 
 
-def _chunk_saved(d: _Dims, m, layers, first: bool, last: bool) -> int:
-    """Saved bytes of one micro-batch on one model chunk (the heads' softmax apart)."""
+def _chunk_saved(d: _Dims, m, layers, first: bool, mtp: bool, loss: bool) -> int:
+    """Saved bytes of one micro-batch on one model chunk (the heads' softmax apart): its layers,
+    the MTP depths where it holds the MTP module, the final norm and the heads' inputs where it
+    holds the loss."""
     h, drop = m.hidden_size, _drop(m)
     out = d.r * d.a * h  # the chunk's input: the embedding's output or the received activations
     if first and d.tp > 1:  # the vocab-parallel embedding's masked ids and mask
         out += d.q * (INT64 + 1)
     out += sum(_layer(d, m, _is_moe(m, i), drop) for i in layers)
-    if last:
-        out += _norm(d, h, d.r) + d.r * d.a * h  # final norm and its output
-        steps = m.mtp_num_steps
+    steps = m.mtp_num_steps
+    if mtp:
         out += sum(_mtp_depth(d, m, s == steps - 1, drop) for s in range(steps))
+    if loss:
+        out += _norm(d, h, d.r) + d.r * d.a * h  # final norm and its output
         out += (1 + steps) * d.r * d.a * h if steps else 0  # the heads' inputs (MTP concat)
     return out
 
@@ -316,15 +331,15 @@ def _dispatcher(d: _Dims, m) -> int:
     return d.a * (h * k * d.r * (1 + 2 * d.etp) + shared)
 
 
-def _working(d: _Dims, m, layers, last: bool) -> int:
+def _working(d: _Dims, m, layers, mtp: bool, loss: bool) -> int:
     """One layer's backward: what recomputation brings back (the chunk's largest layer, or an
     MTP depth) and the gradients in flight."""
     drop, none = _drop(m), frozenset()
     recomputed = [_layer(d, m, moe, none) - _layer(d, m, moe, drop)
                   for moe in {_is_moe(m, i) for i in layers}]
-    if last and m.mtp_num_steps:
+    if mtp and m.mtp_num_steps:
         recomputed.append(_mtp_depth(d, m, False, none) - _mtp_depth(d, m, False, drop))
-    return max(recomputed, default=0) + _gradients(d, m, last)
+    return max(recomputed, default=0) + _gradients(d, m, loss)
 
 
 def _gradients(d: _Dims, m, last: bool) -> int:
@@ -343,9 +358,12 @@ def _sp_gather(d: _Dims, m, last: bool) -> int:
     return d.q * d.a * m.hidden_size * (2 if last and m.mtp_num_steps else 1)
 
 
-def _held_at_peak(saved: list, pp: int, rank: int, vpp: int, micro_batches: int) -> tuple:
+def _held_at_peak(saved: list, pp: int, rank: int, vpp: int, micro_batches: int,
+                  loss_chunk: int | None = None) -> tuple:
     """(most bytes of (micro-batch, chunk) activations held at once, how many of those are
-    last-chunk ones), replaying megatron's schedule: no pipeline, 1F1B or interleaved."""
+    micro-batches of virtual chunk ``loss_chunk``: the one holding the heads, default the last),
+    replaying megatron's schedule: no pipeline, 1F1B or interleaved."""
+    loss_chunk = vpp - 1 if loss_chunk is None else loss_chunk
     if pp == 1:
         return saved[0], 1
     total = micro_batches * vpp
@@ -360,7 +378,7 @@ def _held_at_peak(saved: list, pp: int, rank: int, vpp: int, micro_batches: int)
         held.append(order[i])
         size = sum(saved[c] for c in held)
         if size > best:
-            best, best_last = size, held.count(vpp - 1)
+            best, best_last = size, held.count(loss_chunk)
         if i >= warmup:  # steady state: each forward is followed by the oldest backward
             held.remove(vpp - 1 - order[backward])
             backward += 1

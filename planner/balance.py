@@ -64,3 +64,59 @@ def balanced_ends(rc, pp: int, vpp: Optional[int]) -> tuple[Optional[int], Optio
                 best = (score, changes, first, last)
     return best[2], best[3]
 
+
+
+def piece_equivalents(rc) -> tuple[float, float]:
+    """(the MTP module at all its steps, the output heads with the loss) in decoder-layer units
+    (training FLOPs per token at the stage's sequence length, from the exact counts)."""
+    from model_providers.glm5.counting.flops import flops_per_token
+
+    f = flops_per_token(rc.model, rc.trainer.seq_length)
+    per_layer = (f.total - f.mtp - f.output_heads) / rc.model.num_layers
+    return f.mtp / per_layer, f.output_heads / per_layer
+
+
+def balanced_layouts(rc, pp: int, vpp: Optional[int]) -> list[str]:
+    """megatron ``pipeline_model_parallel_layout`` strings for ``pp`` ranks of ``vpp`` chunks
+    whose ranks carry equal compute: the MTP module and the loss with the output heads either
+    together in the last chunk or in the last two chunks (on the last two ranks), and the
+    decoder layers filled in where the load is lowest (rank r holds chunks r, r + pp, ...; each
+    rank's layers split evenly over its chunks, in model order). Empty for pp == 1."""
+    if pp < 2:
+        return []
+    v = vpp or 1
+    chunks = pp * v
+    n = rc.model.num_layers
+    mtp, heads = piece_equivalents(rc)
+    has_mtp = bool(rc.model.mtp_num_steps)
+    out = []
+    placements = [(chunks - 1, chunks - 1)]
+    if has_mtp:
+        placements.append((chunks - 2, chunks - 1))
+    for mtp_chunk, loss_chunk in placements:
+        extra = [0.0] * pp
+        if has_mtp:
+            extra[mtp_chunk % pp] += mtp
+        extra[loss_chunk % pp] += heads
+        # megatron places every decoder layer before the MTP module: a loss chunk after the MTP
+        # chunk holds none
+        own = [v] * pp
+        if loss_chunk != mtp_chunk:
+            own[loss_chunk % pp] -= 1
+        layers = [0] * pp
+        for _ in range(n):  # water-fill: the next layer to the least loaded rank (the latest on ties)
+            r = min((i for i in range(pp) if own[i]), key=lambda i: (layers[i] + extra[i], -i))
+            layers[r] += 1
+        counts = [0] * chunks
+        for r in range(pp):
+            for k in range(own[r]):
+                counts[k * pp + r] = layers[r] // own[r] + (1 if k >= own[r] - layers[r] % own[r] else 0)
+        stages = []
+        for c in range(chunks):
+            s = ("E" if c == 0 else "") + ("t" * counts[c] if counts[c] < 3 else f"t*{counts[c]}")
+            s += ("m" if has_mtp and c == mtp_chunk else "") + ("L" if c == loss_chunk else "")
+            stages.append(s)
+        layout = "|".join(stages)
+        if layout not in out:
+            out.append(layout)
+    return out

@@ -1,9 +1,11 @@
 """The cluster a plan is sized for: ``conf/cluster/<name>.yaml`` presets with a strict schema.
 
-A preset names the GPU (usable memory, peak dense TFLOP/s), the links (NVLink inside a node,
-the network between nodes, both per GPU and per direction) and how many nodes the job gets;
-the step-time model's efficiency and overlap assumptions are fields too, with defaults
-documented here, so ``cluster.FIELD=VALUE`` on the planner's command line can change any of them.
+A preset names the GPU (usable memory, peak dense TFLOP/s, HBM bandwidth), the links (NVLink
+inside a node, the network between nodes, both per GPU and per direction) and how many nodes the
+job gets. The step-time model's factors (efficiencies, overlaps, imbalance, launch gaps) are
+fields too, with global defaults here -- the same for every model and every preset, each sourced
+in docs/planner.md "Factors" -- so ``cluster.FIELD=VALUE`` on the planner's command line can
+change any of them.
 """
 
 from __future__ import annotations
@@ -30,28 +32,49 @@ class ClusterConfig:
     tf32_tflops: float = 0.0  #: dense tf32 peak per GPU (fp32 runs' matmuls)
     nvlink_gbps: float = 0.0  #: NVLink bandwidth per GPU per direction inside a node, GB/s
     internode_gbps: float = 0.0  #: network bandwidth per GPU per direction between nodes, GB/s
+    hbm_gbps: float = 0.0  #: HBM bandwidth per GPU (read + write), GB/s
+    fp32_tflops: float = 0.0  #: dense fp32 on the CUDA cores (no tensor cores): Muon's fp32 Newton-Schulz
+    # --- the step-time model's factors: global (the same for every model), printed in
+    # StepTime.assumptions, each with its public source in docs/planner.md "Factors" ---
     #: share of the bf16 (tf32 for fp32 runs) peak the linear layers (dense and grouped GEMMs,
     #: forward and backward) sustain over a step
-    matmul_efficiency: float = 0.5
-    #: share of the fp8 peak they sustain with ``precision.fp8`` (quantisation and the bf16
-    #: parts included: ~1.3x the bf16 throughput)
+    matmul_efficiency: float = 0.6
+    #: share of the fp8 peak they sustain with ``precision.fp8`` (per-tensor scaling; blockwise
+    #: and MXFP8 scale it by planner.step_time.FP8_RECIPE_RATE); the output heads stay bf16
     fp8_matmul_efficiency: float = 0.32
     #: share of the bf16 peak the attention core (flash / sparse MLA kernels) sustains, fwd + bwd
     attention_efficiency: float = 0.45
     #: share of the bf16 peak the lightning indexer (top-k scoring, KL) sustains
     indexer_efficiency: float = 0.3
+    #: share of the HBM bandwidth element-wise kernels (norms, RoPE, SwiGLU, permutes, router,
+    #: cross entropy, gradient accumulation, the optimizer step) reach
+    hbm_efficiency: float = 0.7
     #: share of link bandwidth ring collectives (all-gather, reduce-scatter) reach (NCCL bus bw)
     comm_efficiency: float = 0.75
     #: share of link bandwidth the MoE token all-to-all reaches (many small messages)
     alltoall_efficiency: float = 0.6
-    #: shares of each communication hidden behind compute (0: fully exposed). This project's
-    #: defaults: TP collectives and the EP all-to-all are issued synchronously by megatron-core's
-    #: local/TE layers and dispatcher, the CP all-gather of the kv latent is synchronous, and DDP
-    #: is built without overlap_grad_reduce / overlap_param_gather (pretrain/stage.py wrap_ddp)
-    tp_overlap: float = 0.0
-    ep_overlap: float = 0.0
+    #: the flex dispatcher (DeepEP / HybridEP): share of the network bandwidth its RDMA part
+    #: reaches (a token crosses the network once per destination node) and of NVLink its
+    #: forwarding inside a node reaches
+    flex_rdma_efficiency: float = 0.85
+    flex_nvlink_efficiency: float = 0.75
+    #: routed tokens of the busiest expert rank over the mean (1: balanced, as Megatron's published
+    #: MoE benchmarks force with moe_router_force_load_balancing); scales the routed experts'
+    #: GEMMs, their permutes and the EP all-to-all
+    moe_imbalance: float = 1.0
+    #: GPU idle per layer per forward (recomputed ones too), microseconds: the host catching up
+    #: after the MoE dispatcher's synchronisation and small-kernel launch latency (no CUDA graphs)
+    launch_gap_us: float = 100.0
+    #: shares of each communication hidden behind compute when its overlap is on (0: fully
+    #: exposed): TP with parallel.tp_comm_overlap, EP with overlap_moe_expert_parallel_comm (the
+    #: 1F1B all-to-all overlap, with delay_wgrad_compute), DP with overlap_grad_reduce /
+    #: overlap_param_gather (at most the compute of the last / first micro-batch and half the
+    #: bubble is there to hide behind). CP's kv all-gather and the pipeline's sends are issued
+    #: synchronously by this project (cp_overlap, pp_overlap apply always; 0 by default)
+    tp_overlap: float = 0.6
+    ep_overlap: float = 0.5
+    dp_overlap: float = 0.9
     cp_overlap: float = 0.0
-    dp_overlap: float = 0.0
     pp_overlap: float = 0.0  #: of the pipeline's point-to-point sends
 
     @property
@@ -64,16 +87,21 @@ class ClusterConfig:
             if getattr(self, f) < 1:
                 p.append(f"{where}: cluster.{f}={getattr(self, f)} must be >= 1")
         for f in ("gpu_memory_gib", "bf16_tflops", "fp8_tflops", "tf32_tflops", "nvlink_gbps",
-                  "internode_gbps"):
+                  "internode_gbps", "hbm_gbps", "fp32_tflops"):
             if not getattr(self, f) > 0:
                 p.append(f"{where}: cluster.{f}={getattr(self, f)} must be > 0")
         for f in ("matmul_efficiency", "fp8_matmul_efficiency", "attention_efficiency", "indexer_efficiency",
-                  "comm_efficiency", "alltoall_efficiency"):
+                  "hbm_efficiency", "comm_efficiency", "alltoall_efficiency", "flex_rdma_efficiency",
+                  "flex_nvlink_efficiency"):
             if not 0 < getattr(self, f) <= 1:
                 p.append(f"{where}: cluster.{f}={getattr(self, f)} must be in (0, 1]")
         for f in ("tp_overlap", "ep_overlap", "cp_overlap", "dp_overlap", "pp_overlap"):
             if not 0 <= getattr(self, f) <= 1:
                 p.append(f"{where}: cluster.{f}={getattr(self, f)} must be in [0, 1]")
+        if not self.moe_imbalance >= 1:
+            p.append(f"{where}: cluster.moe_imbalance={self.moe_imbalance} must be >= 1 (busiest rank / mean)")
+        if not self.launch_gap_us >= 0:
+            p.append(f"{where}: cluster.launch_gap_us={self.launch_gap_us} must be >= 0")
         return p
 
 

@@ -10,7 +10,8 @@ set and megatron DDP buffers), following what training keeps:
   padded likewise; frozen parameters have none.
 - main params: an fp32 copy of each bf16 trainable parameter (megatron's mixed-precision
   wrappers); fp32 parameters are stepped in place.
-- optimizer: two fp32 tensors per stepped element. Adam: ``exp_avg``, ``exp_avg_sq``. Muon
+- optimizer: two fp32 tensors per stepped element (bf16 each with megatron's precision-aware
+  optimizer: ``optimizer.exp_avg_dtype`` / ``exp_avg_sq_dtype``). Adam: ``exp_avg``, ``exp_avg_sq``. Muon
   (``pretrain.optim``): its momentum in ``exp_avg`` and a zero ``exp_avg_sq`` kept so megatron's
   checkpoint formats work (:attr:`StateBytes.muon_idle`); the parameters Adam keeps in a Muon run
   (``pretrain.optim.matrices.uses_adam``) have Adam's two.
@@ -64,7 +65,8 @@ def state_bytes(rc, layout, pp_rank: int, *, trainable: Sequence[str] = (),
     the same rank many times; batch and sequence length do not change them)."""
     from planner.meta_build import build_rank
 
-    key = (repr(rc.model), repr(rc.parallel), rc.precision.dtype, rc.optimizer.name, layout, pp_rank,
+    key = (repr(rc.model), repr(rc.parallel), rc.precision.dtype, rc.optimizer.name,
+           moment_bytes(rc.optimizer), layout, pp_rank,
            tuple(trainable or ()), dp_rank, expert_dp_rank)
     if key not in _REMEMBERED:
         if len(_REMEMBERED) >= 4096:
@@ -113,12 +115,13 @@ def count_rank(rank, rc, dp_rank: Optional[int] = None, expert_dp_rank: Optional
     stepped = sum(int(v[0]) for v in per_kind.values())
     half = sum(int(v[1]) for v in per_kind.values())
     muon_elements = sum(int(v[2]) for v in per_kind.values())
+    moments = moment_bytes(rc.optimizer)
     return StateBytes(
         params=sum(p.numel() for p in params),
         weights=weights,
         grads=grads,
         main_params=FP32 * half,
-        optimizer=FP32 * STATE_TENSORS * stepped,
+        optimizer=moments * stepped,
         trainable=sum(p.numel() for p in params if p.requires_grad),
         expert_params=sum(p.numel() for p in params if not getattr(p, "allreduce", True)),
         muon_idle=FP32 * muon_elements,
@@ -152,6 +155,13 @@ def _owned_elements(buffers: list, size: int, flags) -> torch.Tensor:
             overlap = (torch.minimum(end, lo + shard) - torch.maximum(start, lo)).clamp(min=0)
             out += overlap @ weight
     return out
+
+
+def moment_bytes(opt) -> int:
+    """Bytes of the two optimizer state tensors per stepped element: fp32 each, or bf16 for a
+    moment megatron's precision-aware optimizer keeps in bf16 (``optimizer.exp_avg_dtype`` /
+    ``exp_avg_sq_dtype``; Adam only, checked by :func:`pretrain.optim.schedule.check_moments`)."""
+    return sum(2 if getattr(opt, name, "fp32") == "bf16" else FP32 for name in ("exp_avg_dtype", "exp_avg_sq_dtype"))
 
 
 def compare_with_run(run_dir: str) -> list[dict]:

@@ -55,10 +55,27 @@ def rank_position(par, layout, pp_rank: int):
 
 def transformer_config(rc):
     """megatron's config of ``rc`` for a meta build: no init kernels, host-style allocation
-    (follows the ``meta`` device), per-expert weights as Transformer Engine holds them."""
-    from model_providers.glm5.model.config import to_transformer_config
+    (follows the ``meta`` device), per-expert weights as Transformer Engine holds them.
 
-    tcfg = to_transformer_config(rc.model, rc.parallel, rc.precision)
+    FP8 and the layer-level speed features (dispatcher, fusions, EP / TP overlap) change no
+    parameter and no buffer, but megatron's config checks them against the installed Transformer
+    Engine / DeepEP; a plan is made on a machine without them, so the meta build leaves them at
+    their defaults (the pipeline layout and the DDP overlap fields, which do shape the chunks and
+    the gradient buckets, are kept), and so the recompute module ``moe_act`` (grouped GEMM only;
+    activations are counted by :mod:`planner.activations`, not from this build)."""
+    import dataclasses
+
+    from model_providers.glm5.model.config import to_transformer_config
+    from parallel.config import ParallelConfig
+    from parallel.features import TRANSFORMER_FIELDS
+
+    plain = ParallelConfig()
+    par = dataclasses.replace(rc.parallel, **{f: getattr(plain, f) for f in TRANSFORMER_FIELDS})
+    # moe_act recomputation needs megatron's grouped-GEMM experts, which a meta build replaces
+    # with per-expert MLPs of the same parameters
+    model = dataclasses.replace(rc.model, recompute_modules=[
+        r for r in rc.model.recompute_modules if r != "moe_act"] or ["mla_up_proj"])
+    tcfg = to_transformer_config(model, par, dataclasses.replace(rc.precision, fp8=None))
     tcfg.use_cpu_initialization, tcfg.perform_initialization = True, False
     tcfg.moe_grouped_gemm = False
     return tcfg

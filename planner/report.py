@@ -19,8 +19,25 @@ def layout_name(layout: dict) -> str:
     parts += [f"cp{layout['cp']}", f"dp{layout['dp']}"]
     if layout["first_stage_layers"] is not None or layout["last_stage_layers"] is not None:
         parts.append(f"ends{layout['first_stage_layers'] or '-'}/{layout['last_stage_layers'] or '-'}")
+    if layout.get("pipeline_layout"):
+        parts.append("lay")
     parts.append({"none": "rc-none", "selective": "rc-sel", "full": "rc-full"}[layout["recompute"]])
-    return " ".join(parts)
+    return " ".join(parts + feature_tags(layout))
+
+
+#: short names of the speed features in a layout's name
+FEATURE_TAGS = (("moe_token_dispatcher_type", "flex", "flex"), ("overlap_grad_reduce", True, "dpo"),
+                ("overlap_moe_expert_parallel_comm", True, "a2ao"), ("tp_comm_overlap", True, "tpo"))
+FUSIONS = ("moe_permute_fusion", "moe_router_fusion", "cross_entropy_loss_fusion", "apply_rope_fusion",
+           "gradient_accumulation_fusion")
+
+
+def feature_tags(layout: dict) -> list[str]:
+    """flex (flex dispatcher), fus<n> (n fusions on), dpo / a2ao / tpo (DP / EP / TP overlap)."""
+    tags = [tag for field, on, tag in FEATURE_TAGS if layout.get(field) == on]
+    fused = sum(bool(layout.get(f)) for f in FUSIONS)
+    return (tags[:1] if tags[:1] == ["flex"] else []) + ([f"fus{fused}"] if fused else []) + \
+        [t for t in tags if t != "flex"]
 
 
 def stage_row(p: StagePlan) -> dict:
@@ -36,8 +53,9 @@ def stage_row(p: StagePlan) -> dict:
         "megatron_flops_per_token": p.megatron_flops_per_token,
         "step_s": p.step.total_s, "tokens_per_s_per_gpu": p.step.tokens_per_s_per_gpu,
         "mfu": p.step.mfu, "mfu_exact": p.step.mfu_exact, "gpu_hours": p.gpu_hours,
-        "time": {k: getattr(p.step, k) for k in ("compute_s", "tp_s", "ep_s", "pp_bubble_s", "pp_p2p_s",
-                                                  "cp_s", "dp_s")},
+        "time": {k: getattr(p.step, k) for k in ("compute_s", "elementwise_s", "launch_s", "tp_s", "ep_s",
+                                                  "pp_bubble_s", "pp_p2p_s", "cp_s", "dp_s", "optimizer_s",
+                                                  "hidden_s")},
         "ranks": [{"pp_rank": r.pp_rank, "params": r.params,
                    **{f"{k}_gib": getattr(r, k) / GIB for k in
                       ("weights", "grads", "main_params", "optimizer", "activations", "optimizer_step", "peak")}}
@@ -58,7 +76,7 @@ def plan_json(plans: list[StagePlan], cluster, overrides: list[str]) -> dict:
 
 
 def table(plans: list[StagePlan], cluster) -> str:
-    head = (f"{'stage':<24} {'layout':<48} {'peak GiB':>8} {'free':>5} {'fits':>4} "
+    head = (f"{'stage':<24} {'layout':<64} {'peak GiB':>8} {'free':>5} {'fits':>4} "
             f"{'GFLOP/tok':>9} {'step s':>7} {'tok/s/GPU':>9} {'MFU':>5} {'GPU-h':>9}")
     lines = [head, "-" * len(head)]
     for p in plans:
@@ -67,12 +85,12 @@ def table(plans: list[StagePlan], cluster) -> str:
             lines += [f"{'':<26}- {why}" for why in p.problems]
             continue
         lines.append(
-            f"{p.name:<24} {layout_name(p.layout):<48} {p.peak / GIB:>8.1f} {p.headroom:>5.0%} "
+            f"{p.name:<24} {layout_name(p.layout):<64} {p.peak / GIB:>8.1f} {p.headroom:>5.0%} "
             f"{'yes' if p.fits else 'NO':>4} {p.megatron_flops_per_token / 1e9:>9.1f} "
             f"{p.step.total_s:>7.2f} {p.step.tokens_per_s_per_gpu:>9.0f} {p.step.mfu:>5.1%} "
             f"{p.gpu_hours:>9.3g}")
     total = sum(p.gpu_hours for p in plans if not p.problems)
-    lines.append(f"{'whole curriculum':<24} {'':<48} {'':>8} {'':>5} {'':>4} {'':>9} {'':>7} {'':>9} "
+    lines.append(f"{'whole curriculum':<24} {'':<64} {'':>8} {'':>5} {'':>4} {'':>9} {'':>7} {'':>9} "
                  f"{'':>5} {total:>9.3g}")
     return "\n".join(lines)
 
@@ -92,9 +110,12 @@ def rank_table(p: StagePlan) -> str:
 def time_lines(p: StagePlan) -> str:
     s = p.step
     f = p.flops
-    return (f"{p.name}: per token {f.total / 1e9:.1f} GFLOP exact (attention {f.attention / 1e9:.1f}, "
+    layout = p.layout.get("pipeline_layout")
+    return (f"{p.name}: " + (f"pipeline layout {layout}; " if layout else "") + f"per token {f.total / 1e9:.1f} GFLOP exact (attention {f.attention / 1e9:.1f}, "
             f"indexer {f.indexer / 1e9:.1f}, MTP {f.mtp / 1e9:.1f}, output heads "
             f"{f.output_heads / 1e9:.1f}), {p.megatron_flops_per_token / 1e9:.1f} Megatron's accounting; "
-            f"step {s.total_s:.2f} s = compute {s.compute_s:.2f} + TP {s.tp_s:.2f} + EP {s.ep_s:.2f} + "
-            f"PP bubble {s.pp_bubble_s:.2f} + PP sends {s.pp_p2p_s:.2f} + CP {s.cp_s:.2f} + DP {s.dp_s:.2f} "
-            f"(exposed); MFU {s.mfu:.1%} by Megatron's accounting, {s.mfu_exact:.1%} by the exact count")
+            f"step {s.total_s:.2f} s = compute {s.compute_s:.2f} + element-wise {s.elementwise_s:.2f} + launch gaps "
+            f"{s.launch_s:.2f} + TP {s.tp_s:.2f} + EP {s.ep_s:.2f} + PP bubble {s.pp_bubble_s:.2f} + PP sends "
+            f"{s.pp_p2p_s:.2f} + CP {s.cp_s:.2f} + DP {s.dp_s:.2f} + optimizer {s.optimizer_s:.2f} (exposed; "
+            f"{s.hidden_s:.2f} s of communication hidden by overlap); MFU {s.mfu:.1%} by Megatron's accounting, "
+            f"{s.mfu_exact:.1%} by the exact count")

@@ -1,10 +1,17 @@
 """``--search``: the layouts a stage can train with on a cluster, ranked by estimated step time.
 
-Candidates are every combination of tp (within a node), pp, vpp, ep, etp, cp, recompute mode and
-pipeline ends balanced by compute (:func:`planner.balance.balanced_ends`) that the run's own
-validation accepts at the cluster's world size; the distributed optimizer and sequence parallelism
-(with tp > 1) are always on, the micro-batch size is the stage's. Candidates are timed first
-(cheap) and sized in that order until enough fit, so the memory model runs on few of them.
+Candidates are every combination of tp (within a node), pp, vpp, ep, etp, cp and recompute mode
+that the run's own validation accepts at the cluster's world size, each with its pipeline ends
+balanced by compute two ways -- megatron's first/last stage layer counts
+(:func:`planner.balance.balanced_ends`) and ``parallel.pipeline_layout`` strings that also move the
+MTP module and the loss to the ranks that have room (:func:`planner.balance.balanced_layouts`) --
+and with the speed features as the run sets them and switched on (:func:`feature_sets`: the flex
+dispatcher, the permute / router / cross-entropy / RoPE / gradient-accumulation fusions, the DP
+overlaps, and, where megatron allows it and this pipeline runs it, the EP all-to-all overlap:
+``parallel.features.not_yet_supported``). The distributed optimizer and
+sequence parallelism (with tp > 1) are always on, the micro-batch size is the stage's. Candidates
+are timed first (cheap) and sized in that order until enough fit, so the memory model runs on
+few of them.
 """
 
 from __future__ import annotations
@@ -13,7 +20,8 @@ import dataclasses
 import itertools
 from dataclasses import dataclass
 
-from planner.balance import balanced_ends
+from parallel.features import not_yet_supported
+from planner.balance import balanced_ends, balanced_layouts
 from planner.stage_plan import GIB, plan_stage
 from pretrain.config.validation import check_run
 
@@ -43,11 +51,30 @@ class Candidate:
         return {"parallel": dict(self.parallel), "recompute": self.recompute}
 
 
+def feature_sets(rc, ep: int, etp: int, pp: int, vpp, recompute: str) -> list[dict]:
+    """The speed-feature variants a layout is tried with: as the run sets them ({}), all on
+    (what applies to this model and precision), and all on with megatron's EP all-to-all overlap
+    where its conditions hold (ep > 1, no full recompute, bf16, virtual stages when pp > 1; the
+    run's validation refuses what this pipeline cannot run)."""
+    m, bf16 = rc.model, rc.precision.dtype == "bf16"
+    moe = bool(m.num_experts)
+    on = dict(moe_token_dispatcher_type="flex" if moe and ep * etp > 1 else "alltoall",
+              moe_permute_fusion=moe, moe_router_fusion=moe, cross_entropy_loss_fusion=bf16,
+              apply_rope_fusion=m.rope_type == "yarn", gradient_accumulation_fusion=True,
+              overlap_grad_reduce=True, overlap_param_gather=True,
+              overlap_moe_expert_parallel_comm=False, delay_wgrad_compute=False)
+    out = [{}, on]
+    if moe and ep > 1 and bf16 and recompute != "full" and (pp == 1 or (vpp or 1) > 1):
+        out.append({**on, "overlap_moe_expert_parallel_comm": True, "delay_wgrad_compute": True})
+    # a variant the run already is would be timed twice
+    return [out[0]] + [f for f in out[1:] if any(getattr(rc.parallel, k) != v for k, v in f.items())]
+
+
 def candidates(rc, world_size: int, gpus_per_node: int):
     """Every candidate layout of ``rc`` that validates at ``world_size`` (corpus files aside)."""
     m = rc.model
     experts = m.num_experts or 1
-    ends = {}
+    ends, layouts = {}, {}
     for tp, pp, vpp, ep, cp in itertools.product(TP, PP, VPP, EP, CP):
         if tp > gpus_per_node or m.num_attention_heads % tp or experts % ep or (vpp and pp == 1):
             continue
@@ -58,17 +85,23 @@ def candidates(rc, world_size: int, gpus_per_node: int):
                 continue
             base = {"tp": tp, "pp": pp, "vpp": vpp, "ep": ep, "etp": etp, "cp": cp,
                     "sequence_parallel": tp > 1, "distributed_optimizer": True,
-                    "first_stage_layers": None, "last_stage_layers": None}
+                    "first_stage_layers": None, "last_stage_layers": None, "pipeline_layout": None}
+            pipelines = [base]
             if pp > 1:
                 if (pp, vpp) not in ends:
                     ends[pp, vpp] = balanced_ends(rc, pp, vpp)
-                base.update(first_stage_layers=ends[pp, vpp][0], last_stage_layers=ends[pp, vpp][1])
-            for recompute in RECOMPUTE:
-                cand = Candidate(base, recompute)
-                crc = cand.apply(rc)
-                layout, problems = check_run(crc, world_size, check_paths=False)
-                if layout is not None and not problems:
-                    yield cand, crc, layout
+                    layouts[pp, vpp] = balanced_layouts(rc, pp, vpp)
+                pipelines = [{**base, "first_stage_layers": ends[pp, vpp][0], "last_stage_layers": ends[pp, vpp][1]}]
+                pipelines += [{**base, "pipeline_layout": lay} for lay in layouts[pp, vpp]]
+            for recompute, pipeline in itertools.product(RECOMPUTE, pipelines):
+                for features in feature_sets(rc, ep, etp, pp, vpp, recompute):
+                    cand = Candidate({**pipeline, **features}, recompute)
+                    crc = cand.apply(rc)
+                    if features and not_yet_supported(crc.parallel):
+                        continue  # a preset for this pipeline: what it cannot run yet is not proposed
+                    layout, problems = check_run(crc, world_size, check_paths=False)
+                    if layout is not None and not problems:
+                        yield cand, crc, layout
 
 
 def state_floor(rc, layout, trainable=()) -> float:
@@ -116,17 +149,30 @@ def search_stage(name: str, steps: int, rc, cluster, min_headroom: float, traina
     return fitting, len(timed), sized
 
 
+def _value(v, quote: str) -> str:
+    """A field's value as YAML / a Hydra override: null, true/false, numbers, strings quoted
+    (layout strings hold | and *)."""
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return str(v).lower()
+    if isinstance(v, str) and not v.isidentifier():
+        return f"{quote}{v}{quote}"
+    return str(v)
+
+
 def overrides_of(cand: Candidate) -> list[str]:
     """Hydra overrides for a one-stage run (curriculum=none or a stage's own fields)."""
     out = []
     for k, v in cand.parallel.items():
-        out.append(f"parallel.{k}={'null' if v is None else str(v).lower()}")
+        value = _value(v, '"')
+        out.append(f"'parallel.{k}={value}'" if '"' in value else f"parallel.{k}={value}")
     out.append(f"model.recompute={'null' if cand.recompute == 'none' else cand.recompute}")
     return out
 
 
 def _yaml(fields: dict) -> str:
-    return ", ".join(f"{k}: {'null' if v is None else str(v).lower()}" for k, v in fields.items())
+    return ", ".join(f"{k}: {_value(v, chr(34))}" for k, v in fields.items())
 
 
 def preset_yaml(winners: list, cluster, stage_fields: dict) -> str:
@@ -136,7 +182,7 @@ def preset_yaml(winners: list, cluster, stage_fields: dict) -> str:
     (first_name, base), rest = winners[0], winners[1:]
     lines = [f"# {cluster.name} x {cluster.nodes} nodes ({cluster.world_size} GPUs): layouts from "
              "python -m planner --search"]
-    lines += [f"{k}: {'null' if v is None else str(v).lower()}" for k, v in base.parallel.items()]
+    lines += [f"{k}: {_value(v, chr(34))}" for k, v in base.parallel.items()]
     lines.append("stages:")
     for name, cand in winners:
         own = stage_fields.get(name, set())
@@ -160,7 +206,7 @@ def search_report(stages, chosen, rc, cluster, min_headroom: float, run_override
                          f"{cluster.gpu_memory_gib:g} GiB with {min_headroom:.0%} free")
             continue
         for cand, p in fitting:
-            lines.append(f"  {layout_name(p.layout):<48} peak {p.peak / GIB:6.1f} GiB  free "
+            lines.append(f"  {layout_name(p.layout):<64} peak {p.peak / GIB:6.1f} GiB  free "
                          f"{p.headroom:4.0%}  step {p.step.total_s:7.2f} s  {p.step.tokens_per_s_per_gpu:7.0f} "
                          f"tok/s/GPU  MFU {p.step.mfu:5.1%}")
         best = fitting[0][0]

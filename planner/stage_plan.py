@@ -74,15 +74,20 @@ class StagePlan:
 
 
 def layout_fields(rc, layout) -> dict:
-    """The layout a plan names: parallel sizes, derived dp, uneven ends, recompute mode."""
+    """The layout a plan names: parallel sizes, derived dp, uneven ends or the pipeline layout
+    string, recompute mode, and the speed features (parallel.features)."""
+    from parallel.features import DDP_FIELDS, TRANSFORMER_FIELDS
+
     p = rc.parallel
     return {
         "world_size": layout.world_size, "tp": p.tp, "pp": p.pp, "vpp": p.vpp, "ep": p.ep,
         "etp": p.expert_tp, "cp": p.cp, "dp": layout.dp, "sequence_parallel": p.sequence_parallel,
         "first_stage_layers": p.first_stage_layers, "last_stage_layers": p.last_stage_layers,
+        "pipeline_layout": p.pipeline_layout,
         "distributed_optimizer": p.distributed_optimizer,
         "recompute": rc.model.recompute or "none",
         "micro_batch_size": rc.trainer.micro_batch_size,
+        **{f: getattr(p, f) for f in TRANSFORMER_FIELDS + DDP_FIELDS},
     }
 
 

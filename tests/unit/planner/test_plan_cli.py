@@ -74,8 +74,8 @@ def test_unknown_cluster_field_is_named(capsys):
 def test_a_layout_that_does_not_divide_names_the_stage_and_field(capsys):
     code, out, err = plan(capsys, *GLM5, "parallel=glm5_h200_512gpu", "cluster=h200_141gb", "cluster.nodes=60")
     assert code == 2
-    assert "stages 'pretrain_general', 'pretrain_code_reasoning': world size 480 is not divisible by " \
-           "parallel.ep*etp*pp = 16*1*8 = 128" in out + err
+    assert "stages 'pretrain_general', 'pretrain_code_reasoning', 'midtrain_32k', 'dsa_sparse': world size 480 " \
+           "is not divisible by parallel.ep*etp*pp = 16*1*8 = 128" in out + err
 
 
 def test_a_stage_that_fits_nowhere_is_named(capsys):
