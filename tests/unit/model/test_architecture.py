@@ -55,6 +55,19 @@ def _load_model_yaml(name: str) -> GLM5Config:
     return OmegaConf.to_object(OmegaConf.merge(schema, OmegaConf.load(os.path.join(CONF, "model", f"{name}.yaml"))))
 
 
+def _meta_model(name: str):
+    """``conf/model/<name>.yaml`` built on ``meta`` (one rank, local layers): (config, megatron's
+    config, the chunk). ``use_cpu_initialization`` makes every weight a plain ``torch.empty`` that
+    follows the meta device; no init kernels."""
+    cfg = _load_model_yaml(name)
+    tcfg = to_transformer_config(cfg, ParallelConfig(), PrecisionConfig())
+    tcfg.use_cpu_initialization = True
+    tcfg.perform_initialization = False
+    with torch.device("meta"):
+        (model,) = build_model_chunks(cfg, tcfg, "local")
+    return cfg, tcfg, model
+
+
 @pytest.fixture(scope="module", autouse=True)
 def megatron_groups():
     """A 1-rank gloo group and megatron's model-parallel groups, torn down after the module so
@@ -144,12 +157,7 @@ class TestGLM5_744B:
         (no-ops on meta anyway). Only the routers' small buffers (expert_bias,
         local_tokens_per_expert, built with an explicit device) are real CPU tensors.
         """
-        cfg = _load_model_yaml("glm5_744b")
-        tcfg = to_transformer_config(cfg, ParallelConfig(), PrecisionConfig())
-        tcfg.use_cpu_initialization = True
-        tcfg.perform_initialization = False
-        with torch.device("meta"):
-            (model,) = build_model_chunks(cfg, tcfg, "local")
+        cfg, tcfg, model = _meta_model("glm5_744b")
         yield cfg, tcfg, model
         del model
 
@@ -321,12 +329,7 @@ def test_deepseek_v3_built_on_meta_is_the_counted_model_without_an_indexer():
 
     from model_providers.glm5.counting.size import model_size
 
-    cfg = _load_model_yaml("deepseek_v3_671b")
-    tcfg = to_transformer_config(cfg, ParallelConfig(), PrecisionConfig())
-    tcfg.use_cpu_initialization = True
-    tcfg.perform_initialization = False
-    with torch.device("meta"):
-        (model,) = build_model_chunks(cfg, tcfg, "local")
+    cfg, tcfg, model = _meta_model("deepseek_v3_671b")
     names = [n for n, _ in model.named_parameters()]
     assert not [n for n in names if "indexer" in n]
     assert all(l.self_attention.core_attention.indexer is None for l in model.decoder.layers)
