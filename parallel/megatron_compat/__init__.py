@@ -34,7 +34,8 @@ from parallel.megatron_compat import jit_fusers
 
 jit_fusers.install()  # first: before megatron-core's first import (jit_fusers.py says why)
 
-from parallel.megatron_compat.fixes import install, release_cached_modules, reset_loss_trackers  # noqa: E402
+from parallel.megatron_compat.fixes import (  # noqa: E402
+    cross_process_write_results, install, release_cached_modules, reset_loss_trackers)
 from parallel.megatron_compat.micro_batch import MicroBatch  # noqa: E402
 from parallel.megatron_compat.mtp import set_mtp_block_class  # noqa: E402
 

@@ -36,17 +36,21 @@ def _placeholder_state_before_sharded_load() -> None:
 
 def _set_states_keeping_step() -> None:
     """``DistributedOptimizer._set_main_param_and_optimizer_states`` copies every key of the
-    parameter's optimizer state from the loaded tensors, which never hold ``step`` (the fully
-    reshardable loader skips it; ``load_state_dict`` already restored it): KeyError. Copy the
-    other keys and keep the restored step."""
+    parameter's optimizer state from the loaded tensors. ``load_state_dict`` has already
+    restored ``step`` (from the param groups), and no loader carries a real one: the fully
+    reshardable loader's tensors lack it (KeyError), the ``dp_reshardable`` loader's hold the
+    step of the optimizer *before* the load (a placeholder), which would overwrite the restored
+    step and run Adam's bias correction from the wrong step after every resume. Copy the other
+    keys and keep the restored step."""
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
     set_states = DistributedOptimizer._set_main_param_and_optimizer_states
 
     @functools.wraps(set_states)
     def set_states_keeping_step(self, model_param, tensors):
-        if "step" in tensors or self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
+        if self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
             return set_states(self, model_param, tensors)
+        tensors = {k: v for k, v in tensors.items() if k != "step"}
         group_index, group_order = self.model_param_group_index_map[model_param]
         state = self.optimizer.state[self.optimizer.param_groups[group_index]["params"][group_order]]
         step = state.pop("step", None)
@@ -78,7 +82,54 @@ def _own_step_per_parameter_after_load() -> None:
     DistributedOptimizer.load_state_dict = load_state_dict_with_own_steps
 
 
+def _dp_reshardable_load_without_grad() -> None:
+    """``load_parameter_state_from_dp_reshardable`` (the loader of megatron's per-rank
+    ``dp_reshardable`` optimizer format) copies into the main params without ``torch.no_grad``,
+    unlike the other formats' loaders: the main params are leaves that require grad, so the
+    in-place copy into their views raises ("a view of a leaf Variable that requires grad is being
+    used in an in-place operation") and no checkpoint in that format could be resumed."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    load = DistributedOptimizer.load_parameter_state_from_dp_reshardable
+
+    @functools.wraps(load)
+    def load_dp_reshardable_without_grad(self, state_dict):
+        with torch.no_grad():
+            return load(self, state_dict)
+
+    DistributedOptimizer.load_parameter_state_from_dp_reshardable = load_dp_reshardable_without_grad
+
+
+def _dp_reshardable_padding_zeroed() -> None:
+    """``sharded_param_state_dp_reshardable`` covers the gaps between parameters in each bucket
+    with padding tensors made by ``torch.empty``: whatever memory held went into every
+    checkpoint, so two saves of the same state differed (and a checkpoint's bytes leaked
+    unrelated memory). The padding is zeroed here (fresh tensors, not training state)."""
+    from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject, ShardedTensor
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    sharded = DistributedOptimizer.sharded_param_state_dp_reshardable
+
+    @functools.wraps(sharded)
+    def sharded_with_zero_padding(self, *args, **kwargs):
+        state = sharded(self, *args, **kwargs)
+        for gbuf_idx in range(len(self.gbuf_ranges)):
+            for buckets in state[gbuf_idx].values():
+                for bucket in buckets:
+                    for piece in bucket:
+                        padding = piece.get("padding")
+                        if isinstance(padding, LocalNonpersistentObject) and padding.obj:
+                            for v in piece.values():
+                                if isinstance(v, ShardedTensor):
+                                    v.data.zero_()
+        return state
+
+    DistributedOptimizer.sharded_param_state_dp_reshardable = sharded_with_zero_padding
+
+
 def install() -> None:
+    _dp_reshardable_padding_zeroed()
+    _dp_reshardable_load_without_grad()
     _placeholder_state_before_sharded_load()
     _set_states_keeping_step()
     _own_step_per_parameter_after_load()

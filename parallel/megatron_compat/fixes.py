@@ -3,6 +3,7 @@ GPU) by :func:`install`, before any model or optimizer is built."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import queue
 
@@ -86,14 +87,64 @@ def _in_process_checkpoint_write_results() -> None:
     """megatron's torch_dist writer hands its write results back through a queue served by a
     *spawned* multiprocessing Manager (``filesystem_async._get_write_results_queue``): a fresh
     interpreter per rank that re-imports the training entry point at the first save (5-10 s of
-    CPU per rank). That queue only has to cross processes for asynchronous saves; ours are
-    synchronous (``checkpointing.state``: the write runs in this process, its forked writers
-    report through their own queue), so a plain in-process queue carries the results. An
-    asynchronous save would need megatron's queue back: drop this fix then."""
+    CPU per rank). A synchronous save writes in this process (its forked writers report through
+    their own queue), so a plain in-process queue carries the results; an async save's writer
+    process reports through :func:`cross_process_write_results` instead."""
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
     if filesystem_async._results_queue is None:
         filesystem_async._results_queue = queue.Queue()
+
+
+_FORKED_MANAGER: list = [None]
+
+
+@contextlib.contextmanager
+def cross_process_write_results():
+    """Around an async ``dist_checkpointing.save``: the writer it prepares reports through a
+    queue another process can reach (its forked writer process's results), served by a Manager
+    *forked* once per process (megatron's own is spawned: a fresh interpreter re-importing the
+    entry point). Outside, saves keep the in-process queue."""
+    import multiprocessing as mp
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if _FORKED_MANAGER[0] is None:
+        manager = mp.get_context("fork").Manager()
+        _FORKED_MANAGER[0] = (manager, manager.Queue())
+    in_process = filesystem_async._results_queue
+    filesystem_async._results_queue = _FORKED_MANAGER[0][1]
+    try:
+        yield
+    finally:
+        filesystem_async._results_queue = in_process
+
+
+def _checkpoint_staging_copies_host_tensors() -> None:
+    """megatron's torch_dist writer stages what a rank writes to host memory before writing it
+    (``FileSystemWriterAsync.preload_tensors``: ``tensor.to("cpu")``, for synchronous saves too),
+    and an async save's forked writer then writes that copy while training changes the
+    originals. For a tensor already on the host ``.to("cpu")`` is the tensor itself: on CPU ranks
+    the writer read live training state, correct only through fork's copy-on-write, and a save
+    held none of the host memory it holds on a GPU node. On CPU ranks (the CPU emulation) the
+    tensors are copied here, so a CPU save stages, snapshots and uses host memory as a GPU save
+    does (what the planner's ``host_ram_peak_gib`` counts); GPU ranks are left as they are (their
+    host tensors, e.g. a gathered optimizer state, are copies already)."""
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
+
+    from parallel.megatron_compat import cpu_emulation
+
+    preload = FileSystemWriterAsync.preload_tensors
+
+    @functools.wraps(preload)
+    def preload_copying_host_tensors(write_buckets, non_blocking=True):
+        if not cpu_emulation.is_active():  # GPU ranks: host tensors are already copies (gathers)
+            return preload(write_buckets, non_blocking)
+        host = [(f, key, (data, [(item, t.clone() if t.device.type == "cpu" else t) for item, t in tensors]))
+                for f, key, (data, tensors) in write_buckets]
+        return preload(host, non_blocking)
+
+    FileSystemWriterAsync.preload_tensors = staticmethod(preload_copying_host_tensors)
 
 
 def _batched_p2p_pairs_same_peer_by_direction() -> None:
@@ -143,6 +194,7 @@ def install() -> None:
     _alltoall_dispatcher_drops_probs_after_combine()
     _te_probes_without_transformer_engine()
     _in_process_checkpoint_write_results()
+    _checkpoint_staging_copies_host_tensors()
     _batched_p2p_pairs_same_peer_by_direction()
     distrib_optimizer.install()
     mtp.install()

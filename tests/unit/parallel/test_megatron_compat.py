@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
-import queue
 import subprocess
 import sys
 import time
@@ -66,6 +65,9 @@ assert names == ["load_state_dict_with_own_steps", "sharded_state_dict_with_stat
 assert gpt_model.roll_tensor is mtp.roll_with_sequence_count
 assert multi_token_prediction.roll_tensor is mtp.roll_within_documents
 assert type(filesystem_async._results_queue) is queue.Queue
+assert DistributedOptimizer.load_parameter_state_from_dp_reshardable.__code__.co_name == "load_dp_reshardable_without_grad"
+assert DistributedOptimizer.sharded_param_state_dp_reshardable.__code__.co_name == "sharded_with_zero_padding"
+assert filesystem_async.FileSystemWriterAsync.preload_tensors.__code__.co_name == "preload_copying_host_tensors"
 assert CheckpointFunction.forward.__name__ == "forward_in_micro_batch"
 assert Attention._checkpointed_attention_forward.__code__.co_name == "checkpointed_attention_forward"
 assert transformer_engine.te_checkpoint.__code__.co_name == "checkpoint_in_micro_batch"
@@ -345,12 +347,43 @@ def test_mtp_block_class_must_add_no_state():
                                             type("Shared", (MultiTokenPredictionBlock,), {}))
 
 
-def test_checkpoint_write_results_use_an_in_process_queue():
-    """Without the fix megatron's first save starts a spawned Manager process for this queue."""
+def test_checkpoint_write_results_stay_in_process_but_cross_a_fork_for_async_saves():
+    """Without the fix megatron's first save starts a *spawned* Manager (a fresh interpreter that
+    re-imports the entry point). A synchronous save reports through an in-process queue; inside
+    ``cross_process_write_results`` (an async save) a forked writer's results reach this process."""
+    import multiprocessing as mp
+    import queue
+
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
     megatron_compat.install()
-    assert type(filesystem_async._get_write_results_queue()) is queue.Queue
+    in_process = filesystem_async._get_write_results_queue()
+    assert type(in_process) is queue.Queue
+    with megatron_compat.cross_process_write_results():
+        q = filesystem_async._get_write_results_queue()
+        writer = mp.get_context("fork").Process(target=q.put, args=({"rank": 0, "written": [1, 2]},))
+        writer.start()
+        writer.join()
+        assert q.get_nowait() == {"rank": 0, "written": [1, 2]}  # there once the writer is gone
+    assert filesystem_async._get_write_results_queue() is in_process
+
+
+def test_checkpoint_staging_copies_host_tensors():
+    """A save's staged tensors are a snapshot on CPU ranks too (on GPU ranks the D2H copy is one):
+    changing the training tensor after staging does not change what is written."""
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
+
+    from parallel.megatron_compat import cpu_emulation
+
+    megatron_compat.install()
+    cpu_emulation.install()  # a CPU rank's
+    live = torch.arange(6.0)
+    [(name, key, (data, [(item, staged)]))] = FileSystemWriterAsync.preload_tensors(
+        [("f.distcp", "k", ([], [("item", live)]))], non_blocking=False)
+    live.add_(100.0)  # the next optimizer step
+    assert (name, key, item) == ("f.distcp", "k", "item")
+    assert torch.equal(staged, torch.arange(6.0))
+    assert staged.untyped_storage().data_ptr() != live.untyped_storage().data_ptr()
 
 
 # --- batched pipeline exchanges between the two ranks of a PP2 group (2 real gloo ranks) ----------
