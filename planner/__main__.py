@@ -84,7 +84,7 @@ def main(argv: list[str]) -> int:
 
     from planner import report
     from planner.cluster import load_cluster
-    from planner.stage_plan import MIN_HEADROOM, plan_stage
+    from planner.stage_plan import MIN_HEADROOM, mark_stage_changes, plan_stage
 
     try:
         args = split_arguments(argv)
@@ -106,7 +106,11 @@ def main(argv: list[str]) -> int:
           f"{cluster.gpus_per_node} GPUs = {world} ({cluster.gpu_memory_gib:g} GiB, "
           f"{cluster.bf16_tflops:g} bf16 TFLOP/s each); a stage fits with >= {headroom:.0%} of memory free")
     plans = [plan_stage(s.name, s.steps, s.rc, world, cluster, headroom, s.trainable) for s in chosen]
+    mark_stage_changes(stages, plans, cluster)
     print(report.table(plans, cluster))
+    ckpt = report.checkpoint_table(plans, cluster)
+    if ckpt:
+        print("\n" + ckpt)
     if run_problems:
         print(f"\nthe run does not validate at {world} GPUs:\n  - " + "\n  - ".join(run_problems))
     lacking = _not_yet_supported(chosen)

@@ -76,10 +76,33 @@ class ClusterConfig:
     dp_overlap: float = 0.9
     cp_overlap: float = 0.0
     pp_overlap: float = 0.0  #: of the pipeline's point-to-point sends
+    # --- checkpoint I/O (planner/checkpoint.py), each sourced in docs/planner.md "Factors" ---
+    #: pinned device-to-host copy per GPU with every GPU of the node copying at once, GB/s: what
+    #: an async save's blocking part (staging the write share in host memory) runs at
+    d2h_gbps: float = 25.0
+    #: the shared parallel filesystem's aggregate write / read bandwidth per node of the job, GB/s:
+    #: storage is sized with the cluster (per 32-node scalable unit), so the aggregate the job sees
+    #: is nodes x these (:attr:`fs_write_gbps`, :attr:`fs_read_gbps`)
+    fs_write_gbps_per_node: float = 1.94
+    fs_read_gbps_per_node: float = 3.9
+    #: what one node's filesystem client reaches (its storage NICs), write / read, GB/s
+    client_write_gbps: float = 20.0
+    client_read_gbps: float = 40.0
+    #: per save, besides the copies: the sharded state dict, the save plan's exchange, the fork
+    ckpt_fixed_s: float = 5.0
 
     @property
     def world_size(self) -> int:
         return self.nodes * self.gpus_per_node
+
+    @property
+    def fs_write_gbps(self) -> float:
+        """The filesystem's aggregate write bandwidth for this job, GB/s."""
+        return self.nodes * self.fs_write_gbps_per_node
+
+    @property
+    def fs_read_gbps(self) -> float:
+        return self.nodes * self.fs_read_gbps_per_node
 
     def problems(self, where: str) -> list[str]:
         p = []
@@ -87,7 +110,8 @@ class ClusterConfig:
             if getattr(self, f) < 1:
                 p.append(f"{where}: cluster.{f}={getattr(self, f)} must be >= 1")
         for f in ("gpu_memory_gib", "bf16_tflops", "fp8_tflops", "tf32_tflops", "nvlink_gbps",
-                  "internode_gbps", "hbm_gbps", "fp32_tflops"):
+                  "internode_gbps", "hbm_gbps", "fp32_tflops", "d2h_gbps", "fs_write_gbps_per_node",
+                  "fs_read_gbps_per_node", "client_write_gbps", "client_read_gbps"):
             if not getattr(self, f) > 0:
                 p.append(f"{where}: cluster.{f}={getattr(self, f)} must be > 0")
         for f in ("matmul_efficiency", "fp8_matmul_efficiency", "attention_efficiency", "indexer_efficiency",
@@ -100,8 +124,9 @@ class ClusterConfig:
                 p.append(f"{where}: cluster.{f}={getattr(self, f)} must be in [0, 1]")
         if not self.moe_imbalance >= 1:
             p.append(f"{where}: cluster.moe_imbalance={self.moe_imbalance} must be >= 1 (busiest rank / mean)")
-        if not self.launch_gap_us >= 0:
-            p.append(f"{where}: cluster.launch_gap_us={self.launch_gap_us} must be >= 0")
+        for f in ("launch_gap_us", "ckpt_fixed_s"):
+            if not getattr(self, f) >= 0:
+                p.append(f"{where}: cluster.{f}={getattr(self, f)} must be >= 0")
         return p
 
 

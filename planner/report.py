@@ -61,6 +61,8 @@ def stage_row(p: StagePlan) -> dict:
                       ("weights", "grads", "main_params", "optimizer", "activations", "optimizer_step", "peak")}}
                   for r in p.ranks],
     })
+    if p.checkpoint is not None:
+        row["checkpoint"] = p.checkpoint.as_dict()
     return row
 
 
@@ -92,6 +94,46 @@ def table(plans: list[StagePlan], cluster) -> str:
     total = sum(p.gpu_hours for p in plans if not p.problems)
     lines.append(f"{'whole curriculum':<24} {'':<64} {'':>8} {'':>5} {'':>4} {'':>9} {'':>7} {'':>9} "
                  f"{'':>5} {total:>9.3g}")
+    return "\n".join(lines)
+
+
+def checkpoint_table(plans: list[StagePlan], cluster) -> str:
+    """Per stage: what one save and one load cost (planner/checkpoint.py) and the save interval."""
+    from planner.checkpoint import GB, MAX_BLOCKING_SHARE, MAX_LOST_MIN
+
+    rows = [p for p in plans if not p.problems and p.checkpoint is not None]
+    if not rows:
+        return ""
+    c = rows[0].checkpoint
+    head = (f"{'stage':<24} {'GB/rank':>8} {'total TB':>8} {'host GiB':>8} {'block s':>7} {'save s':>7} "
+            f"{'load s':>7} {'every min':>9}")
+    lines = [f"checkpoints ({'async' if c.async_save else 'synchronous'} saves, megatron's fully parallel "
+             f"torch_dist, optimizer state {c.fmt}; filesystem "
+             f"{cluster.fs_write_gbps:.0f} GB/s write, {cluster.fs_read_gbps:.0f} GB/s read over "
+             f"{cluster.nodes} nodes; {cluster.client_write_gbps:g} / {cluster.client_read_gbps:g} GB/s per node, "
+             f"{cluster.d2h_gbps:g} GB/s per GPU to host memory, {cluster.ckpt_fixed_s:g} s a save besides):",
+             head, "-" * len(head)]
+    notes = []
+    for p in rows:
+        k = p.checkpoint
+        lines.append(f"{p.name:<24} {k.bytes_per_rank / GB:>8.1f} {k.total_bytes / 1e12:>8.2f} "
+                     f"{k.host_ram_peak_gib:>8.1f} {k.blocking_s:>7.1f} {k.save_s:>7.1f} {k.load_s:>7.1f} "
+                     f"{k.interval_min:>9.1f}")
+        notes += [f"{p.name}: {n}" for n in k.notes]
+        f = k.final_save
+        if f is not None:
+            by = {q.name: q for q in rows}.get(f["next_stage"])
+            load = (f"; {f['next_stage']} loads it in {by.checkpoint.stage_start_load_s:.0f} s"
+                    if by is not None and by.checkpoint.stage_start_load_s is not None else "")
+            notes.append(f"{p.name}: its final save is {f['format']} ({f['next_stage']} carries the optimizer "
+                         f"state into another model-parallel layout): {f['bytes_per_rank'] / GB:.1f} GB/rank, "
+                         f"host {f['host_ram_peak_gib']:.1f} GiB per rank, blocking {f['blocking_s']:.0f} s, "
+                         f"on disk after {f['save_s']:.0f} s{load}")
+    lines.append(f"every min: the longest interval losing <= {MAX_LOST_MIN:g} min of work to a failure (interval "
+                 f"+ the save in flight), with <= {MAX_BLOCKING_SHARE:.0%} of the time blocked in saves and each "
+                 f"save done before the next")
+    if notes:
+        lines += ["  - " + n for n in notes]
     return "\n".join(lines)
 
 

@@ -51,6 +51,7 @@ class StagePlan:
     step: object  #: planner.step_time.StepTime
     min_headroom: float = MIN_HEADROOM
     problems: list = field(default_factory=list)  #: why the stage does not validate (no numbers then)
+    checkpoint: object = None  #: planner.checkpoint.CheckpointCost of every save (dp_reshardable)
 
     @property
     def peak(self) -> int:
@@ -105,14 +106,15 @@ def rank_signature(rc, layout, pp_rank: int) -> tuple:
     return tuple(sig), pp_rank == 0, pp_rank == pp - 1
 
 
-_STATE: dict = {}  #: (state key) -> (StateBytes, optimizer step bytes); see _rank_state
+_STATE: dict = {}  #: (state key) -> (StateBytes, optimizer step bytes, ShardBytes); see _rank_state
 
 
 def _rank_state(rc, layout, pp_rank: int, trainable=()):
-    """(StateBytes, optimizer-step bytes) of a pipeline rank, built once per process for each
-    distinct input: they do not depend on the sequence, the batch, CP (the distributed optimizer
+    """(StateBytes, optimizer-step bytes, checkpoint ShardBytes) of a pipeline rank, built once per
+    process for each distinct input: they do not depend on the sequence, the batch, CP (the distributed optimizer
     shards dense state over DP x CP = world / (TP x PP)) or the recompute mode, so a layout search
     sizes most candidates from this cache."""
+    from planner.checkpoint import shard_bytes
     from planner.memory import count_rank
     from planner.meta_build import build_rank
     from planner.optimizer_step import optimizer_step_bytes
@@ -123,14 +125,15 @@ def _rank_state(rc, layout, pp_rank: int, trainable=()):
     if key not in _STATE:
         built = build_rank(rc, layout, pp_rank, trainable)
         state = count_rank(built, rc)
-        _STATE[key] = (state, optimizer_step_bytes(built, rc, state))
+        p = rc.parallel
+        _STATE[key] = (state, optimizer_step_bytes(built, rc, state), shard_bytes(built, p.tp, p.ep, p.expert_tp))
     return _STATE[key]
 
 
 def rank_plan(rc, layout, pp_rank: int, trainable=()) -> RankPlan:
     from planner.activations import activation_bytes
 
-    s, opt_step = _rank_state(rc, layout, pp_rank, trainable)
+    s, opt_step, _ = _rank_state(rc, layout, pp_rank, trainable)
     act = activation_bytes(rc, layout, pp_rank).peak
     # activations are gone by the optimizer step: the peak is the larger of the two moments
     peak = s.total + max(act, opt_step)
@@ -147,6 +150,59 @@ def rank_plans(rc, layout, trainable=()) -> list:
             done[sig] = rank_plan(rc, layout, r, trainable)
         out.append(dataclasses.replace(done[sig], pp_rank=r))
     return out
+
+
+def stage_checkpoint(rc, layout, cluster, trainable=(), fmt: str = "dp_reshardable", **kw):
+    """The stage's checkpoint cost (:func:`planner.checkpoint.checkpoint_cost`) in format ``fmt``
+    (``dp_reshardable``: every save ``checkpointing/`` writes; ``fully_reshardable``: a stage's
+    final save into another layout, and with ``parallel=False, staging_copies_host=False`` every
+    save before); ``kw``: more of checkpoint_cost's arguments."""
+    from planner.checkpoint import checkpoint_cost
+
+    done, shards = {}, []
+    for r in range(rc.parallel.pp):
+        sig = rank_signature(rc, layout, r)
+        if sig not in done:
+            done[sig] = _rank_state(rc, layout, r, trainable)[2]
+        shards.append(dataclasses.replace(done[sig], pp_rank=r))
+    return checkpoint_cost(rc, shards, cluster, fmt, **kw)
+
+
+#: what the optimizer state of a dp_reshardable checkpoint depends on (checkpointing.state.
+#: model_parallel_layout): a stage carrying it into a layout that differs here needs the previous
+#: stage's final save in megatron's fully_reshardable format
+MODEL_PARALLEL_KEYS = ("tp", "pp", "vpp", "cp", "ep", "etp", "first_stage_layers", "last_stage_layers",
+                       "pipeline_layout", "distributed_optimizer")
+
+
+def mark_stage_changes(stages, plans, cluster) -> None:
+    """For each planned stage whose successor carries the optimizer state into another
+    model-parallel layout: its final save's cost in the fully_reshardable format
+    (``CheckpointCost.final_save``) and, on the successor's plan when it is planned too, the load
+    of it (``stage_start_load_s``). ``stages``: the whole curriculum; ``plans``: those planned."""
+    from pretrain.config.validation import check_run
+
+    by_name = {p.name: p for p in plans}
+    for st, nxt in zip(stages, stages[1:]):
+        p = by_name.get(st.name)
+        if p is None or p.problems or nxt.optimizer_state != "carry":
+            continue
+        layout_next, problems = check_run(nxt.rc, cluster.world_size, check_paths=False)
+        if layout_next is None or problems:
+            continue
+        mine, theirs = p.layout, layout_fields(nxt.rc, layout_next)
+        if all(mine[k] == theirs[k] for k in MODEL_PARALLEL_KEYS):
+            continue
+        layout, _ = check_run(st.rc, cluster.world_size, check_paths=False)
+        final = stage_checkpoint(st.rc, layout, cluster, st.trainable, "fully_reshardable")
+        p.checkpoint.final_save = {
+            "format": final.fmt, "next_stage": nxt.name, "bytes_per_rank": final.bytes_per_rank,
+            "host_ram_peak_gib": final.host_ram_peak_gib, "host_ram_every_rank_gib": final.host_ram_every_rank_gib,
+            "blocking_s": final.blocking_s, "save_s": final.save_s}
+        q = by_name.get(nxt.name)
+        if q is not None and not q.problems:
+            q.checkpoint.stage_start_load_s = stage_checkpoint(
+                nxt.rc, layout_next, cluster, nxt.trainable, "fully_reshardable").load_s
 
 
 def plan_stage(name: str, steps: int, rc, world_size: int, cluster,
@@ -170,4 +226,5 @@ def plan_stage(name: str, steps: int, rc, world_size: int, cluster,
         layout_fields(rc, layout), rank_plans(rc, layout, trainable), capacity,
         flops_per_token(rc.model, t.seq_length, tp=rc.parallel.tp, cp=rc.parallel.cp),
         megatron_flops_per_token(rc.model, t.seq_length),
-        step_time(rc, layout, cluster), min_headroom)
+        step_time(rc, layout, cluster), min_headroom,
+        checkpoint=stage_checkpoint(rc, layout, cluster, trainable))

@@ -43,6 +43,15 @@ def test_shipped_glm5_recipe_validates_and_fits_with_10_percent_free(capsys, tmp
         if s["name"] == "dsa_sparse":
             assert s["mfu"] > 2 * s["mfu_exact"], (s["mfu"], s["mfu_exact"])
     assert got["gpu_hours"] == pytest.approx(sum(s["gpu_hours"] for s in got["stages"]))
+    # issue 38: a save holds <= 24 GiB of host memory per rank and blocks training <= 60 s; the
+    # recipe's interval (conf/checkpoint/glm5.yaml) is no longer than the planned one
+    from pretrain.config.schema import compose, to_run_config
+
+    every = to_run_config(compose(GLM5)).checkpoint.save_every_minutes
+    for s in got["stages"]:
+        ck = s["checkpoint"]
+        assert ck["host_ram_peak_gib"] <= 24 and ck["blocking_s"] <= 60, (s["name"], ck)
+        assert 0 < every <= ck["interval_min"] and not ck["notes"], (s["name"], ck)
 
 
 def test_plan_json_matches_the_table_for_the_tiny_model(capsys, tmp_path):
