@@ -100,6 +100,7 @@ def latest_checkpoint(ckpt_dir: str) -> Optional[str]:
         path = os.path.join(ckpt_dir, name)
         why = verify(path)
         if why is None:
+            problems += _partial_saves_after(ckpt_dir, _iter_step(name))
             if hint is not None and hint != name:
                 problems.append(f"{LATEST} names {hint}" + ("" if hint in found else ", which is missing"))
             if problems:
@@ -113,6 +114,14 @@ def latest_checkpoint(ckpt_dir: str) -> Optional[str]:
         return None
     raise RuntimeError(f"no complete checkpoint in {ckpt_dir} ({'; '.join(problems)}); refusing to "
                        "start from scratch over them: move them away or set checkpoint.resume=false")
+
+
+def _partial_saves_after(ckpt_dir: str, step: int) -> list[str]:
+    """``iter_<n>.tmp`` folders newer than ``step``: saves a crash or kill interrupted (an async
+    save's files were still being written), as warnings; the next save removes them."""
+    partial = sorted(d for d in os.listdir(ckpt_dir) if d.endswith(".tmp")
+                     and (_iter_step(d[:-4]) or -1) > step)
+    return [f"{d} is an incomplete save (interrupted while being written), not used" for d in partial]
 
 
 def resolve_init_from(path: str) -> tuple[Optional[str], Optional[str]]:

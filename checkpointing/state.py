@@ -10,9 +10,7 @@ cause -- is :mod:`checkpointing.files`; this module is the state a checkpoint ho
 
 from __future__ import annotations
 
-import os
 import random
-import shutil
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -21,7 +19,6 @@ import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedObject
-from torch.distributed.checkpoint.api import CheckpointException
 
 from checkpointing import backend_keys
 from parallel.megatron_compat import cpu_emulation
@@ -31,11 +28,56 @@ from checkpointing.files import (  # noqa: F401 -- what a checkpoint is on disk,
     latest_checkpoint, resolve_init_from, save_failure, verify, write_atomic, write_manifest)
 
 
-def _sharding_metadata() -> dict:
+#: how the distributed optimizer's state is stored. ``dp_reshardable`` (megatron's): each rank
+#: writes and reads only its own shard of the optimizer's flat buffers, with no gather and no
+#: exchange; a checkpoint in it loads at another data-parallel size but only with the same
+#: model-parallel layout (:func:`optimizer_layout_problem`). megatron-core 0.16.1's
+#: ``fully_sharded_model_space`` would reshard anywhere but is no longer supported there
+#: (``ShardedTensor.flattened_range is not supported``).
+OPTIMIZER_FORMAT = "dp_reshardable"
+#: megatron's format that loads into any layout: every DP rank all-gathers its model shard's whole
+#: optimizer state into host memory to save it. Written only where a layout change needs it (the
+#: final checkpoint of a stage whose successor carries the optimizer state into another layout);
+#: checkpoints of this project before dp_reshardable are in it (and still load)
+RESHARDABLE_OPTIMIZER_FORMAT = "fully_reshardable"
+#: common-state keys: a checkpoint's optimizer format (absent: the reshardable one) and the
+#: model-parallel layout its optimizer state was written for
+FORMAT_KEY = "optimizer_format"
+LAYOUT_KEY = "optimizer_layout"
+
+
+def model_parallel_layout(par) -> dict:
+    """What a ``dp_reshardable`` optimizer state depends on: everything of the parallel layout
+    but the data-parallel size (``parallel.config.ParallelConfig``)."""
+    keys = ("tp", "pp", "vpp", "cp", "ep", "expert_tp", "first_stage_layers", "last_stage_layers",
+            "pipeline_layout", "distributed_optimizer")
+    return {k: getattr(par, k, None) for k in keys}
+
+
+def optimizer_layout_problem(common: dict, par) -> Optional[str]:
+    """Why the optimizer state of a checkpoint (its common state) cannot load into layout ``par``,
+    or None: a ``dp_reshardable`` one needs the model-parallel layout it was written with."""
+    if checkpoint_format(common) != OPTIMIZER_FORMAT:
+        return None
+    saved, now = common.get(LAYOUT_KEY, {}), model_parallel_layout(par)
+    diff = [f"parallel.{k}={now[k]} (the checkpoint's: {saved.get(k)})" for k in now if saved.get(k) != now[k]]
+    if not diff:
+        return None
+    return (f"{', '.join(diff)}: this checkpoint's optimizer state is sharded for its own model-parallel "
+            f"layout (only the data-parallel size may change when resuming inside a stage); resume "
+            f"with its layout, or change layouts at a stage boundary")
+
+
+def _sharding_metadata(optimizer_format: str = OPTIMIZER_FORMAT) -> dict:
     return {
-        "distrib_optim_sharding_type": "fully_reshardable",
+        "distrib_optim_sharding_type": optimizer_format,
         "dp_cp_group": parallel_state.get_data_parallel_group(with_context_parallel=True),
     }
+
+
+def checkpoint_format(common: dict) -> str:
+    """The optimizer format a checkpoint was written in, from its common state."""
+    return common.get(FORMAT_KEY, RESHARDABLE_OPTIMIZER_FORMAT)
 
 
 def _model_key(i: int) -> str:
@@ -72,8 +114,9 @@ def _rng_sharded() -> ShardedObject:
     return ShardedObject("rng_state", _rng_state(), (world,), (rank,), replica_id=0)
 
 
-def sharded_state(model_chunks, optimizer=None, is_loading=False, with_rng=True) -> dict:
-    meta = _sharding_metadata()
+def sharded_state(model_chunks, optimizer=None, is_loading=False, with_rng=True,
+                  optimizer_format: str = OPTIMIZER_FORMAT) -> dict:
+    meta = _sharding_metadata(optimizer_format)
     sd = {}
     for i, chunk in enumerate(model_chunks):
         sd[_model_key(i)] = chunk.sharded_state_dict(metadata=meta)
@@ -102,43 +145,32 @@ class TrainState:
     tokens_before_stage: dict = field(default_factory=dict)
 
 
-def save(ckpt_dir: str, model_chunks, optimizer, scheduler, state: TrainState, config_yaml: str,
-         keep_last: int = 0, stage_final: bool = False) -> str:
-    """Save everything needed to resume bit-exactly; returns the final folder. A stage's final
-    checkpoint is marked and never removed by ``keep_last`` retention."""
-    final = iter_dir(ckpt_dir, state.step)
-    tmp = final + ".tmp"
-    if dist.get_rank() == 0:
-        os.makedirs(ckpt_dir, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
-    dist.barrier()
-    sd = sharded_state(model_chunks, optimizer)
+def full_state(model_chunks, optimizer, scheduler, state: TrainState, config_yaml: str, par,
+               reshardable: bool = False) -> dict:
+    """Everything a checkpoint holds to resume bit-exactly, as megatron's sharded state dict;
+    ``reshardable``: the optimizer state in the format any layout loads."""
+    optimizer_format = RESHARDABLE_OPTIMIZER_FORMAT if reshardable else OPTIMIZER_FORMAT
+    sd = sharded_state(model_chunks, optimizer, optimizer_format=optimizer_format)
+    sd[FORMAT_KEY] = optimizer_format
+    sd[LAYOUT_KEY] = model_parallel_layout(par)
     sd["scheduler"] = scheduler.state_dict()
     sd["train_state"] = vars(state).copy()
     sd["config_yaml"] = config_yaml
     sd["world_size"] = dist.get_world_size()
     sd[backend_keys.COMMON_KEY] = backend_keys.model_backend(model_chunks)  # its tensor names
-    try:
-        dist_checkpointing.save(sd, tmp)
-    except (Exception, CheckpointException) as e:  # every rank raises: megatron gathers the write
-        # results; torch's CheckpointException is a BaseException
-        if dist.get_rank() == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-        raise CheckpointSaveError(save_failure(final, tmp, e)) from e
-    dist.barrier()
-    if dist.get_rank() == 0:
-        if stage_final:
-            write_atomic(os.path.join(tmp, STAGE_FINAL), state.stage)
-        write_manifest(tmp)
-        fsync_tree(tmp)
-        shutil.rmtree(final, ignore_errors=True)
-        os.rename(tmp, final)
-        fsync(ckpt_dir)
-        write_atomic(os.path.join(ckpt_dir, LATEST), os.path.basename(final))
-        apply_retention(ckpt_dir, keep_last)
-    dist.barrier()
-    return final
+    return sd
+
+
+def parallel_load_strategy(path: str):
+    """megatron's fully parallel load: the data-parallel ranks split the reads of what they all
+    need (replicated weights, a legacy checkpoint's whole optimizer state) and exchange it, so a
+    restart reads the checkpoint about once instead of once per data-parallel rank."""
+    from megatron.core.dist_checkpointing.serialization import get_default_load_sharded_strategy
+    from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelLoadStrategyWrapper
+
+    return FullyParallelLoadStrategyWrapper(
+        get_default_load_sharded_strategy(path),
+        parallel_state.get_data_parallel_group(with_context_parallel=True))
 
 
 def read_common(path: str) -> dict:
@@ -160,10 +192,10 @@ def load(path: str, model_chunks, optimizer=None, scheduler=None) -> TrainState:
     common = dist_checkpointing.load_common_state_dict(path)
     same_world = common.get("world_size") == dist.get_world_size()
     sd = sharded_state(model_chunks, optimizer if full else None, is_loading=True,
-                       with_rng=full and same_world)
+                       with_rng=full and same_world, optimizer_format=checkpoint_format(common))
     restore = backend_keys.adapt_to_checkpoint(sd, backend_keys.model_backend(model_chunks),
                                                backend_keys.checkpoint_backend(path, common))
-    loaded = restore(dist_checkpointing.load(sd, path))
+    loaded = restore(dist_checkpointing.load(sd, path, sharded_strategy=parallel_load_strategy(path)))
     for i, chunk in enumerate(model_chunks):
         chunk.load_state_dict(loaded[_model_key(i)], strict=True)
     if not full:

@@ -18,12 +18,15 @@ import contextlib
 import os
 import pickle
 import shutil
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from data_pipeline.config import DataConfig, DataConfigError, active_weights, split_vector
+
+COMPLETE = ".complete"  #: written last into an index folder by the build that finished it
 
 
 class MixtureDataset(torch.utils.data.Dataset):
@@ -177,18 +180,39 @@ def build_datasets(cfg: DataConfig, seq_length: int, seed: int, run_dir: str, vo
     return build_mixture(cfg, outputs, seq_length, seed, run_dir, vocab_size, num_samples, valid_samples)
 
 
-def build_mixture(cfg: DataConfig, outputs: dict, seq_length: int, seed: int, run_dir: str, vocab_size: int,
-                  num_samples: int, valid_samples: int | None = None):
-    """:func:`build_datasets` from finished corpus outputs (``preprocess.CorpusOutput`` by name)."""
-    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+@dataclass
+class IndexPlan:
+    """What :func:`build_mixture` builds, decided before anything is: where its indices live."""
 
+    index_dir: str  #: ``<run_dir>/data_index/<key>``; complete once it holds ``.complete``
+    blend: object  #: data_pipeline.blend.Blend
+    info: object  #: data_pipeline.gpt_corpus.TokenizerInfo
+    valid_n: int | None
+    categories: dict
+    weights: dict
+
+    @property
+    def complete(self) -> bool:
+        return index_complete(self.index_dir)
+
+
+def index_complete(index_dir: str) -> bool:
+    """Whether megatron's builder only loads from ``index_dir`` (written last by a finished build)."""
+    return os.path.exists(os.path.join(index_dir, COMPLETE))
+
+
+def plan_index(cfg: DataConfig, outputs: dict, seq_length: int, seed: int, run_dir: str, vocab_size: int,
+               num_samples: int, valid_samples: int | None = None, tok_path: str | None = None) -> IndexPlan:
+    """The blend and index folder :func:`build_mixture` uses, from the file system alone (nothing
+    is written); ``tok_path``: the tokenizer file (default: :func:`tokenizer.resolve`, which
+    trains the default BPE when missing). Raises the blend's data errors."""
     from data_pipeline import tokenizer
     from data_pipeline.blend import check_splits, plan_blend
     from data_pipeline.fsutil import file_digest, fingerprint
-    from data_pipeline.gpt_corpus import CorpusDataset, CorpusDatasetConfig, TokenizerInfo
+    from data_pipeline.gpt_corpus import TokenizerInfo
 
     weights = active_weights(cfg)
-    tok_path = tokenizer.resolve(cfg)
+    tok_path = tok_path or tokenizer.resolve(cfg)
     digest = file_digest(tok_path)
     blend = plan_blend(cfg, outputs, weights, digest)
     check_splits(blend, cfg.split)
@@ -207,8 +231,32 @@ def build_mixture(cfg: DataConfig, outputs: dict, seq_length: int, seed: int, ru
     key = fingerprint([blend.paths, blend.weights, blend.layouts, seq_length, seed, num_samples, valid_n,
                        cfg.split, cfg.eod_mask_loss, info.unique_identifiers])
     index_dir = os.path.join(os.path.abspath(run_dir), "data_index", key)
+    return IndexPlan(index_dir, blend, info, valid_n, categories, weights)
+
+
+def build_mixture(cfg: DataConfig, outputs: dict, seq_length: int, seed: int, run_dir: str, vocab_size: int,
+                  num_samples: int, valid_samples: int | None = None):
+    """:func:`build_datasets` from finished corpus outputs (``preprocess.CorpusOutput`` by name).
+    Without a process group (one process building ahead of a run: ``python -m
+    data_pipeline.prepare``, a one-node run before its ranks start) the run's index folders are
+    built under an inter-process lock (``<run_dir>/.locks/``), so two such builders make each once."""
+    from data_pipeline.fsutil import file_lock
+
+    plan = plan_index(cfg, outputs, seq_length, seed, run_dir, vocab_size, num_samples, valid_samples)
+    lock = contextlib.nullcontext() if dist.is_initialized() else file_lock(os.path.dirname(plan.index_dir))
+    with lock:
+        return _build_mixture(cfg, plan, seq_length, seed, num_samples)
+
+
+def _build_mixture(cfg: DataConfig, plan: IndexPlan, seq_length: int, seed: int, num_samples: int):
+    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+
+    from data_pipeline.gpt_corpus import CorpusDataset, CorpusDatasetConfig
+
+    index_dir, blend, info, valid_n = plan.index_dir, plan.blend, plan.info, plan.valid_n
     rank0 = not dist.is_initialized() or dist.get_rank() == 0
-    if rank0 and not os.path.exists(os.path.join(index_dir, ".complete")):
+    built = not plan.complete  # else megatron's builder only loads
+    if rank0 and built:
         shutil.rmtree(index_dir, ignore_errors=True)  # a killed build may have left partial indices
     config = CorpusDatasetConfig(
         random_seed=seed, sequence_length=seq_length, blend=(blend.paths, blend.weights), split=cfg.split,
@@ -220,10 +268,11 @@ def build_mixture(cfg: DataConfig, outputs: dict, seq_length: int, seed: int, ru
     with _process_group():
         train, valid, _ = BlendedMegatronDatasetBuilder(
             CorpusDataset, [num_samples, valid_n or 0, 0], lambda: True, config).build()
-    if rank0:  # megatron builds and saves everything on rank 0 before the other ranks load
+    if rank0 and built:  # megatron builds and saves everything on rank 0 before the other ranks load
         os.makedirs(index_dir, exist_ok=True)
-        open(os.path.join(index_dir, ".complete"), "w").close()
-    out = [MixtureDataset(d, blend.owners, categories, weights) if d is not None else None for d in (train, valid)]
+        open(os.path.join(index_dir, COMPLETE), "w").close()
+    out = [MixtureDataset(d, blend.owners, plan.categories, plan.weights) if d is not None else None
+           for d in (train, valid)]
     for d, n in zip(out, (num_samples, valid_n)):
         if d is not None:
             d.requested = n  #: the size asked of megatron's builder (it builds a few more)

@@ -31,7 +31,7 @@ import logging
 import os
 import shutil
 from dataclasses import asdict, dataclass, field
-from typing import List
+from typing import List, NamedTuple
 
 from data_pipeline import tokenizer
 from data_pipeline.config import SAMPLE_SCHEME, CorpusConfig, DataConfig, DataConfigError, active_weights, expand_paths
@@ -148,6 +148,43 @@ def prepare_corpus(name: str, cfg: DataConfig, allow_submit: bool = False) -> Co
     return checked_output(name, c, final)
 
 
+class Lacking(NamedTuple):
+    """Something a run's data needs that is not on disk yet: what, its state, where it belongs."""
+
+    thing: str  #: e.g. ``corpus 'code'``
+    state: str  #: e.g. ``not preprocessed``
+    path: str
+
+    def __str__(self) -> str:
+        return f"{self.thing} {self.state} ({self.path})"
+
+
+def existing_output(name: str, cfg: DataConfig, check: bool = False) -> tuple[CorpusOutput | None, Lacking | None]:
+    """:func:`prepare_corpus` without building anything (the file system alone): ``(output,
+    None)`` when the corpus's finished folder for the current inputs is there, else ``(None, what
+    is missing)``; ``check``: its folder must also verify against its manifest (a stat and a few
+    index bytes per shard file)."""
+    from data_pipeline.samples import sample_dir
+
+    c = cfg.corpora[name]
+    if c.paths and c.paths[0].startswith(SAMPLE_SCHEME):
+        kind = c.paths[0][len(SAMPLE_SCHEME):]
+        folder = sample_dir(kind, cfg.cache_dir, cfg.sample_seed)
+        if not os.path.isdir(folder):
+            return None, Lacking(f"sample corpus {kind!r}", "not generated", folder)
+    tok_path = tokenizer.prepared(cfg)
+    if tok_path is None:
+        return None, Lacking("tokenizer", "not trained", tokenizer.trained_dir(cfg))
+    final = output_dir(name, c, cfg, corpus_files(name, c, cfg), tok_path)
+    if not os.path.isfile(os.path.join(final, "stats.json")):
+        return None, Lacking(f"corpus {name!r}", "not preprocessed", final)
+    problems = verify(final) if check else []
+    if problems:
+        return None, Lacking(f"corpus {name!r}", "damaged: " + "; ".join(p.replace(final + os.sep, "") for p in problems),
+                             final)
+    return load_output(name, final), None
+
+
 def _set_aside_if_damaged(name: str, final: str) -> None:
     """Under the corpus's lock: a damaged ``final`` is renamed out of the way, with a warning."""
     problems = verify(final) if os.path.exists(final) else []
@@ -185,13 +222,17 @@ def worker_start_method() -> str:
     """``fork`` from a plain single-threaded process (fast: workers inherit the imports);
     ``forkserver`` when this process already runs other threads (a training run triggering the
     preprocessing: process-group, W&B and pool threads), where a forked worker can inherit a lock
-    held by one of them and hang."""
+    held by one of them and hang; and when this process handles SIGTERM itself (a training run's
+    preemption handler), which forked workers would inherit: the pool ends its workers with
+    SIGTERM, and workers that only note it never exit."""
+    import signal
     import threading
 
     import torch.distributed as dist
 
     busy = threading.active_count() > 1 or (dist.is_available() and dist.is_initialized())
-    return "forkserver" if busy else "fork"
+    own_sigterm = signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL
+    return "forkserver" if busy or own_sigterm else "fork"
 
 
 def run_local(steps: list, cfg: DataConfig, logging_dir: str) -> None:

@@ -70,6 +70,15 @@ def resolve(cfg: DataConfig) -> str:
     return os.path.join(final, "tokenizer.json")
 
 
+def prepared(cfg: DataConfig) -> str | None:
+    """:func:`resolve` without building: the tokenizer.json to use, or None while the default BPE
+    is not trained yet (a configured path that is not there raises, as in :func:`resolve`)."""
+    if cfg.tokenizer.path is not None:
+        return os.path.abspath(tokenizer_file(cfg.tokenizer.path))
+    path = os.path.join(trained_dir(cfg), "tokenizer.json")
+    return path if os.path.isfile(path) else None
+
+
 def training_texts(cfg: DataConfig):
     """Up to ``train_bytes_per_corpus`` characters of each sample corpus, in a fixed order;
     trajectories are rendered with the chat template so its markers are learnt in context."""

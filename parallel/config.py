@@ -48,6 +48,12 @@ class ParallelConfig:
     #: live on the GPU and fails where CUDA would (host tensor mixed in, host tensor handed to an
     #: NCCL collective), counting host syncs per step (``host_syncs`` in the metrics)
     cpu_emulation: str = "plain"
+    #: how long a collective (and ``init_process_group`` itself: ranks that start first wait there
+    #: for the others) may wait before the run fails, in minutes. 30, as large Megatron-LM jobs
+    #: set ``--distributed-timeout-minutes``: at hundreds of ranks a checkpoint load at a stage
+    #: change or a slow node's start sits inside a collective for minutes (torch's NCCL default,
+    #: 10, is what such jobs raise); a real hang still ends well within a job's time limit
+    timeout_minutes: float = 30.0
     #: layouts of a curriculum's stages on this cluster, by stage name: ``{stage: {field: value}}``
     #: over the stage's own ``parallel`` fields (and ``recompute``: none | selective | full, over
     #: the stage's). A cluster preset knows which layout each stage of a recipe needs there
@@ -174,6 +180,8 @@ def check_layout(
         p.append(f"parallel.etp={par.etp} must be >= 1 or null")
     if par.cpu_emulation not in ("plain", "strict"):
         p.append(f"parallel.cpu_emulation={par.cpu_emulation!r} must be plain or strict")
+    if not par.timeout_minutes > 0 or par.timeout_minutes == float("inf"):  # NaN fails the first
+        p.append(f"parallel.timeout_minutes={par.timeout_minutes} must be a finite number of minutes > 0")
     if p:
         return None, p
 

@@ -95,10 +95,43 @@ def set_seeds(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def start_process_group(env: DistEnv, timeout_s: int = 600, cpu_emulation_mode: str = "plain") -> str:
+def spans_nodes(environ=None) -> bool:
+    """Whether this launch's ranks are on more than one node, from the launcher's variables (read
+    as :func:`dist_env` reads them): torchrun's ``WORLD_SIZE`` against ``LOCAL_WORLD_SIZE`` (its
+    ``GROUP_WORLD_SIZE``, the node count, without it); Slurm's step node count
+    (``SLURM_STEP_NUM_NODES``, else the job's ``SLURM_JOB_NUM_NODES`` / ``SLURM_NNODES``). Several
+    ranks whose launcher says neither count as several nodes (a run that cannot time out on its
+    data asks for it prepared); one process never does."""
+    env = os.environ if environ is None else environ
+    if "RANK" in env and "WORLD_SIZE" in env:
+        world = int(env["WORLD_SIZE"])
+        if env.get("LOCAL_WORLD_SIZE"):
+            return world > int(env["LOCAL_WORLD_SIZE"])
+        if env.get("GROUP_WORLD_SIZE"):
+            return int(env["GROUP_WORLD_SIZE"]) > 1
+    elif "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+        world = int(env["SLURM_NTASKS"])
+        for var in ("SLURM_STEP_NUM_NODES", "SLURM_JOB_NUM_NODES", "SLURM_NNODES"):
+            if env.get(var):
+                return int(env[var]) > 1
+    else:
+        return False
+    return world > 1
+
+
+def process_group_timeout(minutes: float) -> timedelta:
+    """``init_process_group``'s timeout (and every collective's) from ``parallel.timeout_minutes``."""
+    if not minutes > 0:
+        raise ValueError(f"parallel.timeout_minutes={minutes} must be > 0")
+    return timedelta(minutes=minutes)
+
+
+def start_process_group(env: DistEnv, timeout_minutes: float = ParallelConfig.timeout_minutes,
+                        cpu_emulation_mode: str = "plain") -> str:
     """init_process_group with NCCL when CUDA is present, gloo otherwise (with the CPU emulation,
-    ``plain`` or ``strict``). Returns the backend. megatron-core's fixes are installed first, on
-    every backend (:mod:`parallel.megatron_compat`)."""
+    ``plain`` or ``strict``), waiting up to ``timeout_minutes`` (``parallel.timeout_minutes``) for
+    the other ranks and in every collective. Returns the backend. megatron-core's fixes are
+    installed first, on every backend (:mod:`parallel.megatron_compat`)."""
     megatron_compat.install()
     if dist.is_initialized():
         return dist.get_backend()
@@ -113,7 +146,7 @@ def start_process_group(env: DistEnv, timeout_s: int = 600, cpu_emulation_mode: 
         init_method=f"tcp://{env.master_addr}:{env.master_port}",
         rank=env.rank,
         world_size=env.world_size,
-        timeout=timedelta(seconds=timeout_s),
+        timeout=process_group_timeout(timeout_minutes),
     )
     return backend
 
@@ -159,7 +192,7 @@ def initialize(par: ParallelConfig, seed: int, env: DistEnv | None = None) -> Di
     from megatron.core import parallel_state, tensor_parallel
 
     env = env or dist_env()
-    start_process_group(env, cpu_emulation_mode=par.cpu_emulation)
+    start_process_group(env, par.timeout_minutes, cpu_emulation_mode=par.cpu_emulation)
     layout = _layout_key(par)
     if parallel_state.model_parallel_is_initialized() and layout != _groups_layout():
         destroy_model_parallel_groups()

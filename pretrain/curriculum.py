@@ -151,6 +151,9 @@ def _apply(rc, s: StageConfig, steps: int, where: str, problems: list):
     if s.name in rc.parallel.stages:  # the cluster preset's layout for this stage comes last
         layout = dict(rc.parallel.stages[s.name])
         recompute = layout.pop("recompute", None)
+        if "timeout_minutes" in layout:  # the process group starts once, before any stage
+            problems.append(f"parallel.stages.{s.name}.timeout_minutes: one timeout serves the whole run "
+                            f"(set parallel.timeout_minutes)")
         if recompute is not None:
             out.model.recompute = None if recompute == "none" else recompute
         out.parallel = _merged(out.parallel, layout, f"parallel.stages.{s.name}", problems)

@@ -94,6 +94,7 @@ class StepStats:
     skipped: bool
     seconds: float
     host_syncs: int | None = None  #: device -> host syncs in the step (strict CPU emulation only)
+    save_due: bool = False  #: rank 0 voted for a save after this step (``save_vote``)
 
 
 class LoadImbalanceProbe:
@@ -136,9 +137,10 @@ def _reporting_rank() -> bool:
 
 
 def train_step(ddp_chunks, optimizer, scheduler, dataset, consumed_samples: int, trainer_cfg,
-               probe: LoadImbalanceProbe, mtp_steps: int) -> StepStats:
+               probe: LoadImbalanceProbe, mtp_steps: int, save_vote: bool = False) -> StepStats:
     """One optimizer step over a global batch. A step whose loss or gradients are non-finite on
-    any rank is not applied (``skipped``)."""
+    any rank is not applied (``skipped``). ``save_vote`` (rank 0's alone counts: its clock says a
+    save is due) comes back on every rank as ``save_due``, carried by the step's own all-reduce."""
     t0 = time.perf_counter()
     if strict_cuda.is_active():
         strict_cuda.take_host_syncs()  # count this step's only
@@ -160,7 +162,10 @@ def train_step(ddp_chunks, optimizer, scheduler, dataset, consumed_samples: int,
         micro_batch_size=trainer_cfg.micro_batch_size,
         forward_only=False,
     )
-    report = torch.zeros(2 + mtp_steps, dtype=torch.float64, device=current_device())
+    n = 2 + mtp_steps
+    report = torch.zeros(n + 1, dtype=torch.float64, device=current_device())  # [-1]: save vote
+    if save_vote and dist.get_rank() == 0:
+        report[n] = 1.0
     if _reporting_rank():
         for out in losses:
             report[:2] += out["lm"].double()
@@ -177,7 +182,7 @@ def train_step(ddp_chunks, optimizer, scheduler, dataset, consumed_samples: int,
         values = MTPLossLoggingHelper.tracker.get("values")
         if values is not None and mtp_steps:
             cp = parallel_state.get_context_parallel_world_size()  # every CP rank reports
-            report[2:] = values.double() / (len(batches) * dp_size * cp)
+            report[2:n] = values.double() / (len(batches) * dp_size * cp)
     dist.all_reduce(report)
     if MTPLossLoggingHelper.tracker.get("values") is not None:
         MTPLossLoggingHelper.clean_loss_in_tracker()
@@ -197,19 +202,19 @@ def train_step(ddp_chunks, optimizer, scheduler, dataset, consumed_samples: int,
             else:
                 aux += values.sum().double()
         moe_utils.clear_aux_losses_tracker()
-    host = torch.cat([report, imbalance, aux, kl]).tolist()  # the step's one copy to the host
-    n = 2 + mtp_steps
+    host = torch.cat([report[:n], imbalance, aux, kl, report[n:]]).tolist()  # the step's one copy to the host
     return StepStats(
         lm_loss=host[0] / max(host[1], 1),
         loss_tokens=int(host[1]),
         mtp_losses=host[2:n],
         moe_aux_loss=host[n + 1],
-        indexer_kl=host[n + 2:],
+        indexer_kl=host[n + 2:-1],
         grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
         moe_load_imbalance=host[n],
         skipped=not ok,
         seconds=time.perf_counter() - t0,
         host_syncs=strict_cuda.take_host_syncs() if strict_cuda.is_active() else None,
+        save_due=host[-1] > 0,
     )
 
 

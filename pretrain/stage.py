@@ -70,6 +70,18 @@ def current_params(ddp_chunks) -> None:
             c.start_param_sync(force_sync=True)
 
 
+def async_saves(ckpt_cfg, env) -> bool:
+    """``checkpoint.async_save``; null means on for CUDA runs (where a save's files are written
+    from a host copy while the GPUs train on) and off for CPU runs."""
+    import torch
+
+    if ckpt_cfg.async_save is not None:
+        return ckpt_cfg.async_save
+    from parallel.megatron_compat import cpu_emulation
+
+    return torch.cuda.is_available() and not cpu_emulation.is_active()
+
+
 def _stage_start_state(stage: Stage, previous: Optional[TrainState]) -> TrainState:
     if previous is None:
         return TrainState(stage=stage.name)
@@ -90,14 +102,17 @@ def _load_moments_only(path: str, chunks, optimizer) -> None:
 
 
 def run_stage(stage: Stage, how: str, latest: Optional[str], ctx: RunContext,
-              save_final: bool = True) -> TrainState:
+              save_final: bool = True, following: Optional[Stage] = None) -> TrainState:
     """Train ``stage`` to its budget. ``how``: fresh | resume | carry (see
     :class:`pretrain.curriculum.Begin`); ``latest`` is the checkpoint to resume or carry from.
     ``save_final``: write the stage-final checkpoint (always, except ``checkpoint.save_at_end:
-    false`` on the run's last stage)."""
+    false`` on the run's last stage). ``following``: the curriculum's next stage, if any: when it
+    carries the optimizer state into another model-parallel layout, the final checkpoint is
+    written in the format any layout loads."""
     from megatron.core import tensor_parallel
 
-    from data_pipeline.build import CategoryTokens, build_datasets, build_train_dataset
+    from data_pipeline.build import CategoryTokens, build_datasets
+    from pretrain.data_prep import stage_request
     from model_providers.glm5.model.config import to_transformer_config
     from model_providers.glm5.model.provider import build_model_chunks
     from parallel.initialize import initialize, set_seeds
@@ -108,14 +123,11 @@ def run_stage(stage: Stage, how: str, latest: Optional[str], ctx: RunContext,
     rc, t = stage.rc, stage.rc.trainer
     initialize(rc.parallel, t.seed, ctx.env)
     # data first: a damaged or missing corpus stops the stage before any model exists
-    num_samples = max(t.global_batch_size, stage.stream_samples)
-    with children_to_file():  # a first run preprocesses: datatrove's workers write to stderr
-        if t.eval_every:
-            dataset, valid = build_datasets(rc.data, t.seq_length, t.seed, ctx.run_dir, rc.model.vocab_size,
-                                            num_samples, valid_samples=t.eval_samples)
-        else:
-            dataset, valid = build_train_dataset(rc.data, t.seq_length, t.seed, ctx.run_dir,
-                                                 rc.model.vocab_size, num_samples), None
+    req = stage_request(stage)  # the arguments data_pipeline.prepare built for (pretrain.data_prep)
+    with children_to_file():  # a run given a process group preprocesses: datatrove's workers write to stderr
+        dataset, valid = build_datasets(req.data, req.seq_length, req.seed, ctx.run_dir, req.vocab_size,
+                                        req.num_samples, valid_samples=req.valid_samples)
+    valid = valid if t.eval_every else None
     tcfg = to_transformer_config(rc.model, rc.parallel, rc.precision)
     chunks = build_model_chunks(rc.model, tcfg, ctx.backend)
     restrict_trainable(chunks, stage.trainable)
@@ -145,19 +157,26 @@ def run_stage(stage: Stage, how: str, latest: Optional[str], ctx: RunContext,
     categories = CategoryTokens(dataset, t.seq_length, stage.data_offset + state.consumed_samples,
                                 start=stage.data_offset)
     trainer = _StageTrainer(stage, ddp, optimizer, scheduler, probe, dataset, valid, categories, ctx,
-                            save_final)
+                            save_final, reshardable_final=_layout_changes_with_moments(stage, following))
     trainer.train(state, chunks)
     return state
+
+
+def _layout_changes_with_moments(stage: Stage, following: Optional[Stage]) -> bool:
+    """The next stage loads this stage's optimizer state into another model-parallel layout."""
+    layout = checkpoint.model_parallel_layout
+    return (following is not None and following.optimizer_state == "carry"
+            and layout(following.rc.parallel) != layout(stage.rc.parallel))
 
 
 class _StageTrainer:
     """The step loop of one stage and its metrics records."""
 
     def __init__(self, stage, ddp, optimizer, scheduler, probe, dataset, valid, categories, ctx,
-                 save_final):
+                 save_final, reshardable_final=False):
         from model_providers.glm5.counting.flops import train_flops_per_token
 
-        self.save_final = save_final
+        self.save_final, self.reshardable_final = save_final, reshardable_final
         self.memory_written = False
         self.stage, self.ddp, self.optimizer, self.scheduler = stage, ddp, optimizer, scheduler
         self.probe, self.dataset, self.valid, self.categories, self.ctx = probe, dataset, valid, categories, ctx
@@ -166,8 +185,23 @@ class _StageTrainer:
         self.flops_per_step = train_flops_per_token(m, t.seq_length) * stage.tokens_per_step
         self.aux_coeff = m.moe_aux_loss_coeff if m.moe_aux_loss != "none" else 0.0
         self.moe_layers_applied = m.num_moe_layers + (m.mtp_num_steps if m.num_experts else 0)
+        self.writer = None  #: checkpointing.writer.CheckpointWriter, made at the first save
+        self.last_save = time.monotonic()  #: rank 0's clock decides save_every_minutes
+
+    def _save_due_by_clock(self) -> bool:
+        """Rank 0's vote for an interval save after the coming step (``checkpoint.save_every_minutes``);
+        the step's all-reduce hands it to every rank (``StepStats.save_due``)."""
+        minutes = self.stage.rc.checkpoint.save_every_minutes
+        return bool(minutes) and time.monotonic() - self.last_save >= 60 * minutes
 
     def train(self, state: TrainState, chunks) -> None:
+        """The stage's steps; a save still being written when they end is finished first."""
+        try:
+            self._train(state, chunks)
+        finally:
+            self._finish_saves()
+
+    def _train(self, state: TrainState, chunks) -> None:
         from pretrain.loop import evaluate, train_step
 
         stage, rc = self.stage, self.stage.rc
@@ -178,7 +212,8 @@ class _StageTrainer:
             lr = self.optimizer.param_groups[0]["lr"]  # the LR this step uses
             position = stage.data_offset + state.consumed_samples
             stats = train_step(self.ddp, self.optimizer, self.scheduler, self.dataset, position, t,
-                               self.probe, rc.model.mtp_num_steps)
+                               self.probe, rc.model.mtp_num_steps, save_vote=self._save_due_by_clock())
+            self._poll_saves()
             state.step += 1
             state.stage_step += 1
             state.consumed_samples += t.global_batch_size
@@ -201,7 +236,8 @@ class _StageTrainer:
                 if self.save_final:
                     self._save(state, chunks, stage_final=True)
                 continue  # a signal during the last step is answered between stages
-            periodic = bool(rc.checkpoint.save_every) and state.step % rc.checkpoint.save_every == 0
+            periodic = (bool(rc.checkpoint.save_every) and state.step % rc.checkpoint.save_every == 0
+                        or stats.save_due)
             if periodic:
                 self._save(state, chunks)
             if self.ctx.preemption.agreed():  # every rank stops after this same step
@@ -215,6 +251,7 @@ class _StageTrainer:
         schedule); step and data position go on, so the batches since are not replayed."""
         from pretrain.reliability.faults import reload_last_checkpoint
 
+        self._finish_saves()  # the newest checkpoint may still be being written
         path = checkpoint.latest_checkpoint(self.ctx.ckpt_dir)
         if path is not None and checkpoint.read_train_state(path).get("stage") != self.stage.name:
             checkpoint.load(path, chunks)  # the previous stage's end: its optimizer is not ours
@@ -222,12 +259,32 @@ class _StageTrainer:
         reload_last_checkpoint(self.ctx.ckpt_dir, chunks, self.optimizer, self.scheduler, state.step)
 
     def _save(self, state, chunks, stage_final=False):
+        from checkpointing.writer import CheckpointWriter
+
         rc = self.stage.rc
-        t0 = time.perf_counter()
+        if self.writer is None:
+            self.writer = CheckpointWriter(self.ctx.ckpt_dir, rc.checkpoint.keep_last,
+                                           async_saves(rc.checkpoint, self.ctx.env))
         current_params(self.ddp)
-        path = checkpoint.save(self.ctx.ckpt_dir, chunks, self.optimizer, self.scheduler, state,
-                               self.ctx.config_yaml, rc.checkpoint.keep_last, stage_final=stage_final)
-        self.ctx.sink.event(checkpoint_line(path, stage_final, time.perf_counter() - t0))
+        report = self.writer.save(chunks, self.optimizer, self.scheduler, state, self.ctx.config_yaml,
+                                  rc.parallel, stage_final=stage_final,
+                                  reshardable=stage_final and self.reshardable_final)
+        self.last_save = time.monotonic()
+        if stage_final:  # the next stage (or the end of the run) reads it
+            report = self.writer.finish() or report
+        self.ctx.sink.event(checkpoint_line(report))
+
+    def _poll_saves(self) -> None:
+        if self.writer is not None:
+            report = self.writer.poll()
+            if report is not None:
+                self.ctx.sink.event(checkpoint_line(report))
+
+    def _finish_saves(self) -> None:
+        if self.writer is not None:
+            report = self.writer.finish()
+            if report is not None:
+                self.ctx.sink.event(checkpoint_line(report))
 
     def _record(self, state: TrainState, stats, lr: float) -> dict:
         rc, t = self.stage.rc, self.stage.rc.trainer

@@ -74,6 +74,17 @@ def _check_config_change(rc: RunConfig, stages, latest: str, state: dict, run_di
             "config changed since %s (recorded in %s): %s", latest, config_change.HISTORY, "; ".join(changes))
 
 
+def _check_optimizer_layout(stage, how: str, latest: str) -> None:
+    """Before any model exists: the optimizer state this stage loads from ``latest`` (all of it
+    when resuming, the moments when it carries them) must be in a format its layout can load."""
+    from checkpointing import state as checkpoint
+
+    if how == "resume" or (how == "carry" and stage.optimizer_state == "carry"):
+        problem = checkpoint.optimizer_layout_problem(checkpoint.read_common(latest), stage.rc.parallel)
+        if problem:
+            raise ConfigError(f"cannot load the optimizer state of {latest} into stage {stage.name!r}", [problem])
+
+
 def stage_summaries(history: list[dict]) -> list[dict]:
     """Per stage, in run order: steps, tokens, sequence length, first and last loss."""
     out, before = [], 0
@@ -92,8 +103,9 @@ def stage_summaries(history: list[dict]) -> list[dict]:
     return out
 
 
-def run(rc: RunConfig, config_yaml: str, changes=()) -> dict:
-    """``changes``: what the command line set (:func:`pretrain.config.overrides.changed_fields`)."""
+def run(rc: RunConfig, config_yaml: str, changes=(), overrides=None) -> dict:
+    """``changes``: what the command line set (:func:`pretrain.config.overrides.changed_fields`);
+    ``overrides``: the command line itself (named in the data-preparation error, when known)."""
     from pretrain.reporting import console
     from pretrain.reporting import logs
     routing = logs.route(rc.logger.verbose)  # first: megatron logs and warns as it is imported
@@ -111,6 +123,7 @@ def run(rc: RunConfig, config_yaml: str, changes=()) -> dict:
     from parallel.megatron_compat import release_cached_modules, reset_loss_trackers
     from checkpointing import state as checkpoint
     from pretrain.curriculum import where_to_begin
+    from pretrain.data_prep import before_process_group
     from pretrain.reporting.metrics import MetricsSink
     from pretrain.reporting.plots import plot_curriculum
     from pretrain.stage import RunContext, run_stage
@@ -118,7 +131,10 @@ def run(rc: RunConfig, config_yaml: str, changes=()) -> dict:
     preemption = faults.PreemptionSignal()  # USR1/SIGTERM -> save after the current step, exit
     backend = resolve_backend(rc.model.layer_backend)
     owns_process_group = not dist.is_initialized()  # else: a caller's, kept for its next run
-    start_process_group(env, cpu_emulation_mode=rc.parallel.cpu_emulation)
+    # every stage's corpora and sample index: checked (several nodes) or built (one) before any
+    # collective, so no rank waits in one while rank 0 builds (pretrain.data_prep)
+    before_process_group(rc, stages, env, overrides, group_given=not owns_process_group)
+    start_process_group(env, rc.parallel.timeout_minutes, cpu_emulation_mode=rc.parallel.cpu_emulation)
     run_dir = os.path.abspath(rc.trainer.run_dir)
     ckpt_dir = os.path.join(run_dir, "checkpoints")
     metrics_path = os.path.join(run_dir, "metrics.jsonl")
@@ -142,6 +158,8 @@ def run(rc: RunConfig, config_yaml: str, changes=()) -> dict:
     dist.barrier()
     log_path = routing.to_file(run_dir, env.rank)
     begin = where_to_begin(stages, rc.curriculum, latest_state)
+    if latest and not begin.done:
+        _check_optimizer_layout(stages[begin.stage], begin.how, latest)
     todo = [] if begin.done else stages[begin.stage:begin.last + 1]
     resolved = OmegaConf.to_container(OmegaConf.create(config_yaml), resolve=True)
     start_step = latest_state["step"] if latest_state else 0
@@ -159,7 +177,8 @@ def run(rc: RunConfig, config_yaml: str, changes=()) -> dict:
     for i, st in enumerate(todo):
         last = i == len(todo) - 1
         sink.event(console.stage_line(st, len(stages), how))
-        run_stage(st, how, latest, ctx, save_final=rc.checkpoint.save_at_end or not last)
+        following = stages[st.index + 1] if st.index + 1 < len(stages) else None
+        run_stage(st, how, latest, ctx, save_final=rc.checkpoint.save_at_end or not last, following=following)
         release_cached_modules()
         reset_loss_trackers()  # the next stage (or the next run in this process) starts with none
         gc.collect()  # the finished stage's model, grad buffers and optimizer, before the next
@@ -224,8 +243,9 @@ def _omegaconf_problem(e: Exception) -> str:
 def main(cfg: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
 
+    overrides = list(HydraConfig.get().overrides.task)
     try:
-        summary = run(*resolve(cfg, list(HydraConfig.get().overrides.task)))
+        summary = run(*resolve(cfg, overrides), overrides=overrides)
     except (ConfigError, RunDirLocked) as e:
         # bad input, not a bug: one line naming the field and value (a list when there are
         # several), exit status 1 and no traceback (Hydra prints one for any exception; it

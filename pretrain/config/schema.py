@@ -82,7 +82,14 @@ class LoggerConfig:
 
 @dataclass
 class CheckpointConfig:
-    save_every: int = 0  #: 0 = only at the end
+    save_every: int = 0  #: also save every this many steps (0 = off)
+    #: also save when this many minutes of wall clock passed since the last save (0 = off); rank 0's
+    #: clock decides and every rank learns it in the step's own all-reduce, so all save at one step
+    save_every_minutes: float = 0.0
+    #: write checkpoints in the background (megatron's async queue): the step loop stops only to
+    #: copy this rank's shard to host memory; the manifest, ``latest`` and retention follow once
+    #: every rank's files are written. null: on where there is CUDA, off on CPU runs
+    async_save: Optional[bool] = None
     save_at_end: bool = True
     keep_last: int = 2  #: retain this many iteration folders (0 = all)
     init_from: Optional[str] = None  #: start weights from this checkpoint folder, or a checkpoints dir's newest (step 0, fresh optimizer)

@@ -8,6 +8,8 @@ and values; :func:`plan_run` gathers them, prefixes each stage's with its name, 
 
 from __future__ import annotations
 
+import math
+
 from typing import Sequence
 
 from pretrain.reliability import faults
@@ -52,6 +54,11 @@ def check_run(rc: RunConfig, world_size: int, check_paths: bool = True):
     problems += check_moments(rc.optimizer, rc.parallel.distributed_optimizer)
     if t.steps < 0:
         problems.append(f"trainer.steps={t.steps} must be >= 0")
+    ck = rc.checkpoint
+    if ck.save_every < 0:
+        problems.append(f"checkpoint.save_every={ck.save_every} must be >= 0 (0: off)")
+    if not math.isfinite(ck.save_every_minutes) or ck.save_every_minutes < 0:
+        problems.append(f"checkpoint.save_every_minutes={ck.save_every_minutes} must be a finite number >= 0 (0: off)")
     problems += check_data(rc.data, rc.model.vocab_size, check_paths)
     if rc.logger.wandb.mode not in ("online", "offline", "disabled"):
         problems.append(f"logger.wandb.mode={rc.logger.wandb.mode!r} must be online, offline or disabled")

@@ -124,8 +124,15 @@ def validation_line(r: dict) -> str:
     return f"valid {r['step']:>4} | {r['stage']:<23} | lm {r['valid_lm_loss']:.4f}"
 
 
-def checkpoint_line(path: str, stage_final: bool, seconds: float) -> str:
-    return f"checkpoint {path} ({'stage end, ' if stage_final else ''}{seconds:.1f} s)"
+def checkpoint_line(report) -> str:
+    """A save (``checkpointing.writer.SaveReport``): when it started in the background, what the
+    step loop waited for; once published, the whole time too."""
+    end = "stage end, " if report.stage_final else ""
+    if report.total_s is None:
+        return f"checkpoint {report.path} started ({end}training waited {report.blocking_s:.1f} s; writing in the background)"
+    if report.total_s > report.blocking_s + 1e-3:
+        return f"checkpoint {report.path} ({end}{report.total_s:.1f} s, training waited {report.blocking_s:.1f} s)"
+    return f"checkpoint {report.path} ({end}{report.total_s:.1f} s)"
 
 
 def summary_lines(summary: dict, seconds: float) -> list[str]:

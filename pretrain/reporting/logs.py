@@ -91,17 +91,20 @@ class LogRouting:
         return self.path
 
     @contextlib.contextmanager
-    def children_to_file(self):
-        """Point fd 2 at the log file for the block. Worker processes started inside it
-        (datatrove's preprocessing pool, which re-imports megatron) and loguru's stderr sinks
-        then write there instead of the console; the console handler keeps the real stderr, and
-        an exception still propagates to be reported after the block."""
-        if self.verbose or self.file is None:
+    def children_to_file(self, path: Optional[str] = None):
+        """Point fd 2 at the log file (or ``path``: before the run's log exists) for the block.
+        Worker processes started inside it (datatrove's preprocessing pool, which re-imports
+        megatron) and loguru's stderr sinks then write there instead of the console; the console
+        handler keeps the real stderr, and an exception still propagates to be reported after
+        the block."""
+        path = path or (self.path if self.file is not None else None)
+        if self.verbose or path is None:
             yield
             return
+        os.makedirs(os.path.dirname(path), exist_ok=True)
         sys.stderr.flush()
         saved_fd = os.dup(2)
-        log_fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+        log_fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
         self.saved_stderr = os.fdopen(os.dup(saved_fd), "w", buffering=1)
         os.dup2(log_fd, 2)
         os.close(log_fd)
@@ -141,10 +144,10 @@ def route(verbose: bool) -> LogRouting:
 
 
 @contextlib.contextmanager
-def children_to_file():
+def children_to_file(path: Optional[str] = None):
     """:meth:`LogRouting.children_to_file` of the active routing (nothing without one)."""
     if _active is None:
         yield
         return
-    with _active.children_to_file():
+    with _active.children_to_file(path):
         yield

@@ -1,13 +1,17 @@
-"""Run ``pretrain.train`` so that every rank stops itself (SIGSTOP) right after a chosen checkpoint.
+"""Run ``pretrain.train`` so that every rank stops itself (SIGSTOP) at a chosen checkpoint.
 
     python -m tests.support.stop_at_checkpoint --stop-after=iter_0000003 [hydra overrides]
+    python -m tests.support.stop_at_checkpoint --hold-write=iter_0000004 [hydra overrides]
 
 A kill test must SIGKILL a run between one checkpoint and the next. Polling ``latest`` from the
 test and killing when it names the checkpoint raced the run: on a busy machine the remaining steps
-could finish before the poller looked. This launcher wraps ``checkpointing.state.save`` from
-outside the pipeline: once a save of the named checkpoint has returned (files, manifest and
-``latest`` written), the rank freezes, so the test's SIGKILL always lands between that checkpoint
-and the next, whatever the load. The training code has no hook for it.
+could finish before the poller looked. This launcher wraps the checkpoint writer from outside the
+pipeline: ``--stop-after``: once the named checkpoint is published (files, manifest and ``latest``
+written, every rank past it), each rank freezes, so the test's SIGKILL always lands between that
+checkpoint and the next, whatever the load. ``--hold-write``: each rank's background writer of the
+named checkpoint (``checkpoint.async_save=true``) creates ``<its .tmp folder>/held.<pid>`` and
+then sleeps instead of writing, so the test can kill the run while that save is in flight.
+The training code has no hook for either.
 """
 
 from __future__ import annotations
@@ -16,28 +20,49 @@ import os
 import runpy
 import signal
 import sys
+import time
 
 FLAG = "--stop-after="
 
 
 def install(wanted: str) -> None:
-    from checkpointing import state
+    from checkpointing.writer import CheckpointWriter
 
-    save = state.save
+    publish = CheckpointWriter._publish
 
-    def save_then_stop(*args, **kwargs):
-        path = save(*args, **kwargs)
-        if os.path.basename(os.path.normpath(str(path))) == wanted:
+    def publish_then_stop(self, tmp, final, stage_final):
+        publish(self, tmp, final, stage_final)
+        if os.path.basename(os.path.normpath(str(final))) == wanted:
             os.kill(os.getpid(), signal.SIGSTOP)  # the test kills the frozen run
-        return path
 
-    state.save = save_then_stop
+    CheckpointWriter._publish = publish_then_stop
+
+
+def hold_write(wanted: str) -> None:
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
+
+    write = FileSystemWriterAsync.write_preloaded_data_multiproc
+
+    def held(transform_list, use_msc, rank, write_buckets, results_queue):
+        folder = os.path.dirname(str(write_buckets[0][0])) if write_buckets else ""
+        if os.path.basename(folder) == wanted + ".tmp":
+            open(os.path.join(folder, f"held.{os.getpid()}"), "w").close()
+            time.sleep(3600)  # the test kills the run meanwhile
+        return write(transform_list, use_msc, rank, write_buckets, results_queue)
+
+    FileSystemWriterAsync.write_preloaded_data_multiproc = staticmethod(held)
+
+
+HOLD = "--hold-write="
 
 
 def main() -> None:
-    if len(sys.argv) < 2 or not sys.argv[1].startswith(FLAG):
-        raise SystemExit(f"usage: python -m {__name__} {FLAG}iter_<step:07d> [hydra overrides]")
-    install(sys.argv[1][len(FLAG):])
+    if len(sys.argv) < 2 or not sys.argv[1].startswith((FLAG, HOLD)):
+        raise SystemExit(f"usage: python -m {__name__} {FLAG}|{HOLD}iter_<step:07d> [hydra overrides]")
+    if sys.argv[1].startswith(FLAG):
+        install(sys.argv[1][len(FLAG):])
+    else:
+        hold_write(sys.argv[1][len(HOLD):])
     del sys.argv[1]  # the rest is Hydra's
     runpy.run_module("pretrain.train", run_name="__main__")
 

@@ -226,3 +226,29 @@ def test_preprocessing_inside_a_busy_process_uses_forkserver_and_same_tokens(tmp
         dist.destroy_process_group()
         stop.set()
     assert read_docs(out.prefixes) == _expected(texts)
+
+
+@pytest.mark.heavy
+def test_preprocessing_under_a_sigterm_handler_uses_forkserver(tmp_path):
+    """A one-node training run preprocesses on rank 0 before its process group, under its
+    preemption handler (SIGTERM noted, not obeyed): forked workers would inherit it and never
+    end when the pool terminates them with SIGTERM, so they are not forked."""
+    import signal
+    import threading
+
+    from data_pipeline.preprocess import worker_start_method
+
+    texts = [f"text {i} " * (i + 2) for i in range(10)]
+    f = write_jsonl(tmp_path / "a.jsonl", [{"text": t} for t in texts])
+    noted = []
+    before = signal.signal(signal.SIGTERM, lambda *_: noted.append(1))
+    try:
+        assert worker_start_method() == "forkserver"
+        cfg = corpus_cfg(tmp_path / "cache", [f])
+        cfg.preprocess.workers = 2
+        out = prepare(cfg)["c"]  # returns: the pool's workers end
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    assert read_docs(out.prefixes) == _expected(texts) and not noted
+    if threading.active_count() == 1 and before is signal.SIG_DFL:
+        assert worker_start_method() == "fork"

@@ -1,0 +1,237 @@
+"""Checkpoint saves and loads, the format before issue 38 against the one after, on gloo ranks.
+
+    .venv/bin/python benchmarks/checkpoint.py [--ranks 4] [--hidden 768] [--layers 6] [--repeats 3]
+
+A GLM-5-shaped model (the tiny one's structure, widths from the flags; a few GB of training
+state at the defaults) at DP = ``--ranks`` with the distributed optimizer and Adam, one optimizer
+step taken so every moment is non-zero. Per format, ``--repeats`` times, on every rank:
+
+- **before**: what ``checkpointing.state.save`` did: megatron's default torch_dist strategy,
+  optimizer state ``fully_reshardable`` (every DP rank all-gathers its model shard's whole
+  optimizer state), synchronous: training waits for the whole save;
+- **after**: ``checkpointing.writer.CheckpointWriter`` with ``async_save``: megatron's fully
+  parallel strategy, ``dp_reshardable`` optimizer state (each rank writes its own shard), the
+  write in a background process; training waits only for the staging copy.
+
+Columns: ``blocking`` (what the step loop waits; the median over repeats, max over ranks),
+``total`` (until published: manifest, rename, ``latest``), ``load`` (``checkpointing.state.load``
+of model, optimizer and scheduler), ``host RAM`` (peak RSS growth of a rank during its first save,
+sampled every 2 ms from /proc, max over ranks; each format runs in processes of its own), and the planner's prediction of the last two
+for this model and layout (``planner.checkpoint``). Ratios are after / before from the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import threading
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def model_overrides(hidden: int, layers: int) -> list[str]:
+    """The benchmark model: the tiny GLM-5's structure (dense first layer, MoE with a shared expert,
+    MLA, MTP) at ``hidden`` width; no DSA indexer (it does not change what a checkpoint is)."""
+    return [f"model.hidden_size={hidden}", f"model.num_layers={layers}", f"model.ffn_hidden_size={4 * hidden}",
+            f"model.moe_ffn_hidden_size={hidden}", f"model.num_attention_heads={max(4, hidden // 128)}",
+            "model.vocab_size=32000", "model.mtp_num_steps=1", "model.dsa.mode=none"]
+
+
+def run_config(ranks: int, hidden: int, layers: int, run_dir: str):
+    from pretrain.config.schema import compose, to_run_config
+
+    return to_run_config(compose(["curriculum=none", "parallel=dp2_distopt", "logger.wandb.mode=disabled",
+                                  f"trainer.run_dir={run_dir}", *model_overrides(hidden, layers)]))
+
+
+class PeakRSS:
+    """Peak resident set size growth of this process while in the ``with`` block (bytes)."""
+
+    def __enter__(self):
+        self.base = self.peak = self._rss()
+        self.running = True
+        self.thread = threading.Thread(target=self._sample, daemon=True)
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.running = False
+        self.thread.join()
+        self.peak = max(self.peak, self._rss())
+
+    @property
+    def growth(self) -> int:
+        return self.peak - self.base
+
+    def _sample(self):
+        while self.running:
+            self.peak = max(self.peak, self._rss())
+            time.sleep(0.002)
+
+    @staticmethod
+    def _rss() -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def build(rc):
+    """Model chunks, DDP, distributed Adam with every moment set by one step, scheduler."""
+    import torch
+
+    from model_providers.glm5.model.config import to_transformer_config
+    from model_providers.glm5.model.provider import build_model_chunks
+    from pretrain.optim import build_optimizer, build_scheduler
+    from pretrain.stage import wrap_ddp
+
+    tcfg = to_transformer_config(rc.model, rc.parallel, rc.precision)
+    chunks = build_model_chunks(rc.model, tcfg, "local")
+    ddp = wrap_ddp(tcfg, chunks, rc.parallel)
+    optimizer = build_optimizer(ddp, rc.optimizer, rc.precision.dtype, rc.parallel.distributed_optimizer)
+    scheduler = build_scheduler(optimizer, rc.optimizer, rc.scheduler, 10)
+    gen = torch.Generator().manual_seed(0)
+    for c in ddp:
+        for p in c.module.parameters():
+            p.main_grad.copy_(torch.randn(p.shape, generator=gen) * 1e-3)
+    optimizer.step()
+    return chunks, optimizer, scheduler
+
+
+def save_before(ckpt_dir, chunks, optimizer, scheduler, state, rc):
+    """The save as it was: default strategy, fully_reshardable, synchronous, then published."""
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing
+
+    from checkpointing.files import iter_dir
+    from checkpointing.state import full_state
+    from checkpointing.writer import publish
+
+    final = iter_dir(ckpt_dir, state.step)
+    tmp = final + ".tmp"
+    if dist.get_rank() == 0:
+        os.makedirs(tmp)
+    dist.barrier()
+    dist_checkpointing.save(full_state(chunks, optimizer, scheduler, state, "", rc.parallel, reshardable=True), tmp)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        publish(ckpt_dir, tmp, final, None, 0)
+    dist.barrier()
+    return final
+
+
+def worker(args) -> None:
+    import gc
+
+    import torch.distributed as dist
+
+    from checkpointing import state as checkpoint
+    from checkpointing.writer import CheckpointWriter
+    from parallel.initialize import initialize
+
+    rc = run_config(args.ranks, args.hidden, args.layers, args.work)
+    env = initialize(rc.parallel, 0)
+    chunks, optimizer, scheduler = build(rc)
+    params = sum(p.numel() for c in chunks for p in c.parameters())
+    rows = {}
+    writer = CheckpointWriter(os.path.join(args.work, "after"), 0, async_save=True)
+    for fmt in (args.format,):  # one format per process: freed heap would hide the next one's growth
+        ckpt_dir = os.path.join(args.work, fmt)
+        for r in range(args.repeats):
+            state = checkpoint.TrainState(step=r + 1)
+            gc.collect()
+            dist.barrier()
+            t0 = time.perf_counter()
+            with PeakRSS() as rss:
+                if fmt == "before":
+                    path = save_before(ckpt_dir, chunks, optimizer, scheduler, state, rc)
+                    blocking = total = time.perf_counter() - t0
+                else:
+                    report = writer.save(chunks, optimizer, scheduler, state, "", rc.parallel)
+                    blocking = report.blocking_s
+                    total = writer.finish().total_s
+                    path = report.path
+            dist.barrier()
+            t1 = time.perf_counter()
+            checkpoint.load(path, chunks, optimizer, scheduler)
+            load = time.perf_counter() - t1
+            rows.setdefault(fmt, []).append((blocking, total, load, rss.growth))
+    out = [None] * env.world_size
+    dist.all_gather_object(out, {"rank": env.rank, "rows": rows, "params": params})
+    if env.rank == 0:
+        with open(os.path.join(args.work, f"result_{args.format}.json"), "w") as f:
+            json.dump({"ranks": out, "rc_overrides": model_overrides(args.hidden, args.layers)}, f)
+
+
+def summarise(result: dict, ranks: int, hidden: int, layers: int, work: str) -> dict:
+    """Per format: the median over repeats of the max over ranks of each column."""
+    table = {}
+    for fmt in ("before", "after"):
+        per_repeat = zip(*[r["rows"][fmt] for r in result[fmt]["ranks"]])
+        cols = [tuple(max(rank[i] for rank in rep) for i in range(4)) for rep in per_repeat]
+        table[fmt] = {k: statistics.median(c[i] for c in cols)
+                      for i, k in enumerate(("blocking_s", "total_s", "load_s"))}
+        table[fmt]["host_ram_bytes"] = cols[0][3]  # the process's first save: later ones reuse its heap
+    try:
+        from planner.checkpoint import predict_for_run_config
+
+        rc = run_config(ranks, hidden, layers, work)
+        for fmt, legacy in (("before", True), ("after", False)):
+            pred = predict_for_run_config(rc, world_size=ranks, legacy=legacy)
+            table[fmt]["planned_host_ram_bytes"] = pred["host_ram_peak_gib"] * 2**30
+            table[fmt]["planned_bytes_per_rank"] = pred["bytes_per_rank"]
+    except ImportError:
+        pass
+    return table
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--ranks", type=int, default=4)
+    ap.add_argument("--hidden", type=int, default=768)
+    ap.add_argument("--layers", type=int, default=6)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--work", default=None, help="checkpoint folder (default: a temporary one)")
+    ap.add_argument("--json", default=None, help="also write the table here")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--format", default="after", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        worker(args)
+        return
+    import subprocess
+
+    work = args.work or tempfile.mkdtemp(prefix="ckpt_bench_")
+    result = {}
+    for fmt in ("before", "after"):
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={args.ranks}", __file__,
+               "--worker", f"--format={fmt}", f"--ranks={args.ranks}", f"--hidden={args.hidden}",
+               f"--layers={args.layers}", f"--repeats={args.repeats}", f"--work={work}"]
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+        subprocess.run(cmd, check=True, env=env, stderr=subprocess.DEVNULL)
+        with open(os.path.join(work, f"result_{fmt}.json")) as f:
+            result[fmt] = json.load(f)
+    table = summarise(result, args.ranks, args.hidden, args.layers, work)
+    params = result["after"]["ranks"][0]["params"]
+    print(f"model: {params / 1e6:.0f}M params per rank (hidden {args.hidden}, {args.layers} layers), "
+          f"DP{args.ranks}, distributed Adam, fp32 on CPU; median of {args.repeats} saves, max over ranks")
+    gib = 2**30
+    print(f"{'':<22}{'before':>12}{'after':>12}{'after/before':>14}")
+    for key, label, scale, unit in (("blocking_s", "blocking", 1, "s"), ("total_s", "total save", 1, "s"),
+                                    ("load_s", "load", 1, "s"), ("host_ram_bytes", "host RAM per rank", gib, "GiB"),
+                                    ("planned_host_ram_bytes", "  planner's", gib, "GiB"),
+                                    ("planned_bytes_per_rank", "  planner's bytes/rank", gib, "GiB")):
+        if key not in table["after"]:
+            continue
+        b, a = table["before"][key] / scale, table["after"][key] / scale
+        print(f"{label + ' (' + unit + ')':<22}{b:>12.3f}{a:>12.3f}{(a / b if b else float('nan')):>13.2f}x")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(table, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
