@@ -100,9 +100,9 @@ def latest_checkpoint(ckpt_dir: str) -> Optional[str]:
         path = os.path.join(ckpt_dir, name)
         why = verify(path)
         if why is None:
-            problems += _partial_saves_after(ckpt_dir, _iter_step(name))
             if hint is not None and hint != name:
                 problems.append(f"{LATEST} names {hint}" + ("" if hint in found else ", which is missing"))
+            problems += _partial_saves_after(ckpt_dir, _iter_step(name))
             if problems:
                 _warn(f"resuming from {path}, the newest complete checkpoint: " + "; ".join(problems))
             return path

@@ -6,7 +6,9 @@ whatever is missing, stale or damaged (other ranks wait on the broadcast of its 
 its error if it fails), then every rank builds megatron's ``BlendedMegatronDatasetBuilder`` with
 ``CorpusDataset`` over the corpora's shard groups (:mod:`data_pipeline.blend`: consecutive shards
 read as one dataset; weights = corpus weight x the group's share of the corpus's tokens). Indices
-are cached under ``<run_dir>/data_index/<key>/`` (``.complete`` written last). The result indexes
+are cached under ``<run_dir>/data_index/<key>/`` (``.complete`` written last; :func:`plan_index`
+names the folder without building, and a training launch finds everything there already:
+``python -m data_pipeline.prepare`` or its own rank 0 built it first). The result indexes
 by global sample number and knows each sample's corpus and category
 (:meth:`MixtureDataset.category_counts`); the validation blend is sized so that every category of
 the mixture has its share of held-out samples (:meth:`MixtureDataset.stratified`).

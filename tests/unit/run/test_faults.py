@@ -115,6 +115,7 @@ def test_dangling_latest_and_uncommitted_folders(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="checkpointing.files"):
         assert checkpoint.latest_checkpoint(str(tmp_path)) == str(newer)
     assert f"resuming from {newer}, the newest complete checkpoint: latest names iter_0000002" in caplog.text
+    assert "iter_0000011.tmp is an incomplete save (interrupted while being written), not used" in caplog.text
 
 
 def test_no_checkpoint_and_all_damaged(tmp_path):
