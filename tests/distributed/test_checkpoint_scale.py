@@ -4,15 +4,13 @@ follow rank 0's clock, and a data-parallel size change resumes."""
 
 import os
 import subprocess
-import tempfile
-import time
 
 import pytest
 import torch
 
 from tests.support import core_gate
 from tests.support.launch import (REPO, assert_resumed_equals_straight, checkpoint_tensors, kill_after_checkpoint,
-                                  kill_tree, quiet, read_metrics, run_train, train_command, train_env)
+                                  kill_when, quiet, read_metrics, run_train, train_command, train_env)
 
 pytestmark = pytest.mark.heavy
 
@@ -59,27 +57,13 @@ def test_async_saves_equal_sync_ones_and_resume_exactly(tmp_path):
         assert torch.equal(w_sync[k], w_async[k]), k
 
 
-def _run_until_held(overrides: list[str], nproc: int, held_dir, timeout: int = 600) -> None:
+def _run_until_held(overrides: list[str], nproc: int, held_dir) -> None:
     """Start a run whose background writer of ``held_dir`` (an ``iter_<n>.tmp`` folder) never
     writes, wait until every rank's writer is held, then SIGKILL all of it."""
     launcher = ("-m", "tests.support.stop_at_checkpoint", f"--hold-write={held_dir.name[:-4]}")
-    log = tempfile.TemporaryFile("w+")
-    with core_gate.whole_machine():
-        proc = subprocess.Popen(train_command([*quiet(overrides), *overrides], nproc, launcher), cwd=REPO,
-                                env=train_env(nproc), stdout=subprocess.DEVNULL, stderr=log)
-        try:
-            deadline = time.time() + timeout
-            while time.time() < deadline:
-                if held_dir.is_dir() and len([f for f in os.listdir(held_dir) if f.startswith("held.")]) == nproc:
-                    return
-                if proc.poll() is not None:
-                    log.seek(0)
-                    raise AssertionError(f"the run ended ({proc.returncode}) before {held_dir.name}:\n"
-                                         f"{log.read()[-6000:]}")
-                time.sleep(0.05)
-            raise AssertionError(f"{held_dir} was not being written after {timeout} s")
-        finally:
-            kill_tree(proc)
+    kill_when(overrides, nproc, launcher,
+              lambda: held_dir.is_dir() and sum(f.startswith("held.") for f in os.listdir(held_dir)) == nproc,
+              f"every rank's writer of {held_dir.name} held")
 
 
 def test_kill_during_async_save_resumes_from_the_previous_checkpoint(tmp_path):

@@ -124,29 +124,32 @@ def kill_after_checkpoint(overrides: list[str], latest_file, wanted: str, nproc:
     """Start a run and SIGKILL all of it once ``latest_file`` names checkpoint ``wanted``. Its ranks
     freeze right after that save (:mod:`.stop_at_checkpoint`), so the kill always lands between
     that checkpoint and the next, however busy the machine."""
+    kill_when(overrides, nproc, ("-m", "tests.support.stop_at_checkpoint", f"--stop-after={wanted}"),
+              lambda: latest_file.exists() and latest_file.read_text().strip() == wanted,
+              f"checkpoint {wanted}", timeout)
+
+
+def kill_when(overrides: list[str], nproc: int, launcher: tuple, ready, what: str, timeout: int = 600) -> None:
+    """Start a run through ``launcher`` and SIGKILL all of it as soon as ``ready()`` holds; fails
+    naming ``what`` when the run ends first or ``timeout`` passes."""
     with core_gate.whole_machine() if nproc > 1 else contextlib.nullcontext():
-        _kill_after_checkpoint(overrides, latest_file, wanted, nproc, timeout)
-
-
-def _kill_after_checkpoint(overrides, latest_file, wanted, nproc, timeout) -> None:
-    launcher = ("-m", "tests.support.stop_at_checkpoint", f"--stop-after={wanted}")
-    log = tempfile.TemporaryFile("w+")  # not a pipe: a full pipe would block the run
-    proc = subprocess.Popen(train_command([*quiet(overrides), *overrides], nproc, launcher), cwd=REPO,
-                            env=train_env(nproc), stdout=subprocess.DEVNULL, stderr=log)
-    deadline = time.time() + timeout
-    try:
-        while time.time() < deadline:
-            if latest_file.exists() and latest_file.read_text().strip() == wanted:
-                return
-            if proc.poll() is not None:
-                log.seek(0)
-                raise AssertionError(f"the run ended ({proc.returncode}) before checkpoint {wanted}:\n"
-                                     f"{log.read()[-6000:]}")
-            time.sleep(0.05)
-        raise AssertionError(f"checkpoint {wanted} did not appear in {timeout} s")
-    finally:
-        kill_tree(proc)
-        log.close()
+        log = tempfile.TemporaryFile("w+")  # not a pipe: a full pipe would block the run
+        proc = subprocess.Popen(train_command([*quiet(overrides), *overrides], nproc, launcher), cwd=REPO,
+                                env=train_env(nproc), stdout=subprocess.DEVNULL, stderr=log)
+        deadline = time.time() + timeout
+        try:
+            while time.time() < deadline:
+                if ready():
+                    return
+                if proc.poll() is not None:
+                    log.seek(0)
+                    raise AssertionError(f"the run ended ({proc.returncode}) before {what}:\n"
+                                         f"{log.read()[-6000:]}")
+                time.sleep(0.05)
+            raise AssertionError(f"{what} did not happen in {timeout} s")
+        finally:
+            kill_tree(proc)
+            log.close()
 
 
 def assert_resumed_equals_straight(straight, resumed, steps: int, scratch_dir) -> tuple[dict, dict]:
