@@ -38,6 +38,7 @@ class ParallelConfig:
     moe_router_fusion: bool = False  #: fused router top-k + scores (TE)
     cross_entropy_loss_fusion: bool = False  #: fused vocab-parallel cross entropy
     apply_rope_fusion: bool = False  #: fused RoPE (TE / apex)
+    bias_activation_fusion: bool = False  #: SwiGLU (and the MoE probs) in one fused op each way
     gradient_accumulation_fusion: bool = False  #: wgrad GEMM accumulates into main_grad (TE / apex)
     overlap_grad_reduce: bool = False  #: DDP: bucketed grad reduce(-scatter) during backward
     overlap_param_gather: bool = False  #: distributed optimizer: param all-gather during forward

@@ -18,7 +18,7 @@ FLEX_BACKENDS = ("deepep", "hybridep")
 #: same name and meaning
 TRANSFORMER_FIELDS = (
     "moe_token_dispatcher_type", "moe_flex_dispatcher_backend", "moe_permute_fusion",
-    "moe_router_fusion", "cross_entropy_loss_fusion", "apply_rope_fusion",
+    "moe_router_fusion", "cross_entropy_loss_fusion", "apply_rope_fusion", "bias_activation_fusion",
     "gradient_accumulation_fusion", "overlap_moe_expert_parallel_comm", "delay_wgrad_compute",
     "tp_comm_overlap",
 )

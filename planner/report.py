@@ -29,7 +29,7 @@ def layout_name(layout: dict) -> str:
 FEATURE_TAGS = (("moe_token_dispatcher_type", "flex", "flex"), ("overlap_grad_reduce", True, "dpo"),
                 ("overlap_moe_expert_parallel_comm", True, "a2ao"), ("tp_comm_overlap", True, "tpo"))
 FUSIONS = ("moe_permute_fusion", "moe_router_fusion", "cross_entropy_loss_fusion", "apply_rope_fusion",
-           "gradient_accumulation_fusion")
+           "bias_activation_fusion", "gradient_accumulation_fusion")
 
 
 def feature_tags(layout: dict) -> list[str]:

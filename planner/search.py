@@ -6,7 +6,7 @@ balanced by compute two ways -- megatron's first/last stage layer counts
 (:func:`planner.balance.balanced_ends`) and ``parallel.pipeline_layout`` strings that also move the
 MTP module and the loss to the ranks that have room (:func:`planner.balance.balanced_layouts`) --
 and with the speed features as the run sets them and switched on (:func:`feature_sets`: the flex
-dispatcher, the permute / router / cross-entropy / RoPE / gradient-accumulation fusions, the DP
+dispatcher, the permute / router / cross-entropy / RoPE / SwiGLU / gradient-accumulation fusions, the DP
 overlaps, and, where megatron allows it and this pipeline runs it, the EP all-to-all overlap:
 ``parallel.features.not_yet_supported``). The distributed optimizer and
 sequence parallelism (with tp > 1) are always on, the micro-batch size is the stage's. Candidates
@@ -60,7 +60,8 @@ def feature_sets(rc, ep: int, etp: int, pp: int, vpp, recompute: str) -> list[di
     moe = bool(m.num_experts)
     on = dict(moe_token_dispatcher_type="flex" if moe and ep * etp > 1 else "alltoall",
               moe_permute_fusion=moe, moe_router_fusion=moe, cross_entropy_loss_fusion=bf16,
-              apply_rope_fusion=m.rope_type == "yarn", gradient_accumulation_fusion=True,
+              apply_rope_fusion=m.rope_type == "yarn", bias_activation_fusion=True,
+              gradient_accumulation_fusion=True,
               overlap_grad_reduce=True, overlap_param_gather=True,
               overlap_moe_expert_parallel_comm=False, delay_wgrad_compute=False)
     out = [{}, on]

@@ -75,7 +75,7 @@ FP8_RECIPE_RATE = {"delayed": 1.0, "blockwise": 330 / 338, "mxfp8": 29388 / 2999
 ELEMENTWISE = {
     "norms": (5, 5, None),  # Transformer Engine's RMSNorm: read x, write y; read x, dy, write dx
     "residual": (6, 6, None),  # add: read 2, write 1; its gradient: read 2, write 1
-    "swiglu": (20, 8, None),  # megatron's bias_activation_fusion is off in this pipeline
+    "swiglu": (20, 8, "bias_activation_fusion"),  # silu, product, gate and its gradients; probs in MoE
     "rope": (12, 4, "apply_rope_fusion"),  # rotate-half, cos/sin products, cat of nope and rope
     "router": (28, 6, "moe_router_fusion"),  # sigmoid, bias, group top-k, masks, scatter, aux loss
     "permute": (14, 8, "moe_permute_fusion"),  # index/sort, unpermute with probs, scatter-add

@@ -276,7 +276,6 @@ def to_transformer_config(cfg: GLM5Config, par: ParallelConfig, precision: Preci
         gated_linear_unit=True,
         activation_func=F.silu,
         add_bias_linear=False,
-        bias_activation_fusion=False,
         bias_dropout_fusion=False,
         masked_softmax_fusion=False,
         persist_layer_norm=False,
