@@ -137,29 +137,29 @@ def worker(args) -> None:
     env = initialize(rc.parallel, 0)
     chunks, optimizer, scheduler = build(rc)
     params = sum(p.numel() for c in chunks for p in c.parameters())
-    rows = {}
-    writer = CheckpointWriter(os.path.join(args.work, "after"), 0, async_save=True)
-    for fmt in (args.format,):  # one format per process: freed heap would hide the next one's growth
-        ckpt_dir = os.path.join(args.work, fmt)
-        for r in range(args.repeats):
-            state = checkpoint.TrainState(step=r + 1)
-            gc.collect()
-            dist.barrier()
-            t0 = time.perf_counter()
-            with PeakRSS() as rss:
-                if fmt == "before":
-                    path = save_before(ckpt_dir, chunks, optimizer, scheduler, state, rc)
-                    blocking = total = time.perf_counter() - t0
-                else:
-                    report = writer.save(chunks, optimizer, scheduler, state, "", rc.parallel)
-                    blocking = report.blocking_s
-                    total = writer.finish().total_s
-                    path = report.path
-            dist.barrier()
-            t1 = time.perf_counter()
-            checkpoint.load(path, chunks, optimizer, scheduler)
-            load = time.perf_counter() - t1
-            rows.setdefault(fmt, []).append((blocking, total, load, rss.growth))
+    fmt = args.format  # one format per process: freed heap would hide the next one's growth
+    ckpt_dir = os.path.join(args.work, fmt)
+    writer = CheckpointWriter(ckpt_dir, 0, async_save=True)
+    rows = {fmt: []}
+    for r in range(args.repeats):
+        state = checkpoint.TrainState(step=r + 1)
+        gc.collect()
+        dist.barrier()
+        t0 = time.perf_counter()
+        with PeakRSS() as rss:
+            if fmt == "before":
+                path = save_before(ckpt_dir, chunks, optimizer, scheduler, state, rc)
+                blocking = total = time.perf_counter() - t0
+            else:
+                report = writer.save(chunks, optimizer, scheduler, state, "", rc.parallel)
+                blocking = report.blocking_s
+                total = writer.finish().total_s
+                path = report.path
+        dist.barrier()
+        t1 = time.perf_counter()
+        checkpoint.load(path, chunks, optimizer, scheduler)
+        load = time.perf_counter() - t1
+        rows[fmt].append((blocking, total, load, rss.growth))
     out = [None] * env.world_size
     dist.all_gather_object(out, {"rank": env.rank, "rows": rows, "params": params})
     if env.rank == 0:

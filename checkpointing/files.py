@@ -116,12 +116,17 @@ def latest_checkpoint(ckpt_dir: str) -> Optional[str]:
                        "start from scratch over them: move them away or set checkpoint.resume=false")
 
 
+def partial_saves(ckpt_dir: str) -> list[str]:
+    """``iter_<n>.tmp`` folders: saves not (yet) published -- in flight, or interrupted by a crash
+    or kill (an async save's files were still being written)."""
+    return sorted(d for d in os.listdir(ckpt_dir) if d.endswith(".tmp") and _iter_step(d[:-4]) is not None)
+
+
 def _partial_saves_after(ckpt_dir: str, step: int) -> list[str]:
-    """``iter_<n>.tmp`` folders newer than ``step``: saves a crash or kill interrupted (an async
-    save's files were still being written), as warnings; the next save removes them."""
-    partial = sorted(d for d in os.listdir(ckpt_dir) if d.endswith(".tmp")
-                     and (_iter_step(d[:-4]) or -1) > step)
-    return [f"{d} is an incomplete save (interrupted while being written), not used" for d in partial]
+    """Warnings for the partial saves newer than ``step`` (resume never uses them; the next
+    save removes them)."""
+    return [f"{d} is an incomplete save (interrupted while being written), not used"
+            for d in partial_saves(ckpt_dir) if _iter_step(d[:-4]) > step]
 
 
 def resolve_init_from(path: str) -> tuple[Optional[str], Optional[str]]:

@@ -1,11 +1,11 @@
-"""Checkpoints with megatron dist_checkpointing (torch_dist format), written atomically.
+"""What a checkpoint holds (megatron dist_checkpointing, torch_dist format) and loading it.
 
-Layout: ``<dir>/iter_<step:07d>/`` per save and a ``latest`` file naming the newest complete
-one. A save goes to ``iter_<step>.tmp``; after every rank finished, rank 0 writes
-``manifest.json`` (every file's size) into it, fsyncs the files, renames the folder, fsyncs the
-parent and replaces ``latest`` last, so a crash never leaves something that looks complete.
-What is on disk -- the manifest, finding the newest complete checkpoint, naming a failed save's
-cause -- is :mod:`checkpointing.files`; this module is the state a checkpoint holds.
+The sharded state dict of model chunks, optimizer (in ``OPTIMIZER_FORMAT``, or the reshardable
+one at a stage boundary that needs it), scheduler, RNG and the run's position; loading it back
+with megatron's fully parallel load. Writing it atomically (``iter_<step>.tmp``, then manifest,
+rename, ``latest``), in the background when asked, is :mod:`checkpointing.writer`; what is on disk
+-- the manifest, finding the newest complete checkpoint, naming a failed save's cause -- is
+:mod:`checkpointing.files`.
 """
 
 from __future__ import annotations
@@ -24,8 +24,7 @@ from checkpointing import backend_keys
 from parallel.megatron_compat import cpu_emulation
 
 from checkpointing.files import (  # noqa: F401 -- what a checkpoint is on disk, used with it
-    LATEST, MANIFEST, STAGE_FINAL, CheckpointSaveError, apply_retention, fsync, fsync_tree, iter_dir,
-    latest_checkpoint, resolve_init_from, save_failure, verify, write_atomic, write_manifest)
+    apply_retention, latest_checkpoint, resolve_init_from, save_failure, verify, write_manifest)
 
 
 #: how the distributed optimizer's state is stored. ``dp_reshardable`` (megatron's): each rank
@@ -51,7 +50,12 @@ def model_parallel_layout(par) -> dict:
     but the data-parallel size (``parallel.config.ParallelConfig``)."""
     keys = ("tp", "pp", "vpp", "cp", "ep", "expert_tp", "first_stage_layers", "last_stage_layers",
             "pipeline_layout", "distributed_optimizer")
-    return {k: getattr(par, k, None) for k in keys}
+    return {k: getattr(par, k) for k in keys}
+
+
+def optimizer_layout_changes(par, next_par) -> bool:
+    """A ``dp_reshardable`` optimizer state written in layout ``par`` cannot load in ``next_par``."""
+    return model_parallel_layout(par) != model_parallel_layout(next_par)
 
 
 def optimizer_layout_problem(common: dict, par) -> Optional[str]:

@@ -27,7 +27,8 @@ from megatron.core import dist_checkpointing, parallel_state
 from torch.distributed.checkpoint.api import CheckpointException
 
 from checkpointing.files import (LATEST, STAGE_FINAL, CheckpointSaveError, apply_retention, fsync,
-                                 fsync_tree, iter_dir, save_failure, write_atomic, write_manifest)
+                                 fsync_tree, iter_dir, partial_saves, save_failure, write_atomic,
+                                 write_manifest)
 from checkpointing.state import TrainState, full_state
 from parallel.megatron_compat import cross_process_write_results
 
@@ -47,11 +48,9 @@ def publish(ckpt_dir: str, tmp: str, final: str, stage_final: str | None, keep_l
 
 
 def remove_partial_saves(ckpt_dir: str) -> list[str]:
-    """Rank 0, with no save in flight: delete ``iter_*.tmp`` folders (saves a crash or kill
+    """Rank 0, with no save in flight: delete the ``iter_*.tmp`` folders (saves a crash or kill
     interrupted); returns their names."""
-    if not os.path.isdir(ckpt_dir):
-        return []
-    gone = sorted(d for d in os.listdir(ckpt_dir) if d.startswith("iter_") and d.endswith(".tmp"))
+    gone = partial_saves(ckpt_dir) if os.path.isdir(ckpt_dir) else []
     for d in gone:
         shutil.rmtree(os.path.join(ckpt_dir, d), ignore_errors=True)
     return gone

@@ -46,30 +46,30 @@ def _outputs(req: DataRequest, check: bool) -> tuple[dict, list[Lacking]]:
     return outputs, lacking
 
 
-def index_dir(req: DataRequest, run_dir: str) -> Optional[str]:
-    """The request's sample-index folder under ``<run_dir>/data_index/``; None while a corpus it
-    blends is not prepared (the folder's name depends on the corpora's shards)."""
+def _index_dir(req: DataRequest, outputs: dict, run_dir: str) -> str:
     from data_pipeline import tokenizer
     from data_pipeline.build import plan_index
 
-    outputs, lacking = _outputs(req, check=False)
-    if lacking:
-        return None
     return plan_index(req.data, outputs, req.seq_length, req.seed, run_dir, req.vocab_size, req.num_samples,
                       req.valid_samples, tok_path=tokenizer.prepared(req.data)).index_dir
+
+
+def index_dir(req: DataRequest, run_dir: str) -> Optional[str]:
+    """The request's sample-index folder under ``<run_dir>/data_index/``; None while a corpus it
+    blends is not prepared (the folder's name depends on the corpora's shards)."""
+    outputs, lacking = _outputs(req, check=False)
+    return None if lacking else _index_dir(req, outputs, run_dir)
 
 
 def missing(req: DataRequest, run_dir: str, check: bool = False) -> list[Lacking]:
     """What of ``req`` is not on disk yet ([] = the run's build only loads). ``check``: verify each
     prepared corpus against its manifest too (a stat and a few index bytes per shard file)."""
-    from data_pipeline import tokenizer
-    from data_pipeline.build import index_complete, plan_index
+    from data_pipeline.build import index_complete
 
     outputs, lacking = _outputs(req, check)
     if lacking:
         return lacking
-    where = plan_index(req.data, outputs, req.seq_length, req.seed, run_dir, req.vocab_size, req.num_samples,
-                       req.valid_samples, tok_path=tokenizer.prepared(req.data)).index_dir
+    where = _index_dir(req, outputs, run_dir)
     return [] if index_complete(where) else [Lacking("sample index", "not built", where)]
 
 

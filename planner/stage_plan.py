@@ -168,18 +168,12 @@ def stage_checkpoint(rc, layout, cluster, trainable=(), fmt: str = "dp_reshardab
     return checkpoint_cost(rc, shards, cluster, fmt, **kw)
 
 
-#: what the optimizer state of a dp_reshardable checkpoint depends on (checkpointing.state.
-#: model_parallel_layout): a stage carrying it into a layout that differs here needs the previous
-#: stage's final save in megatron's fully_reshardable format
-MODEL_PARALLEL_KEYS = ("tp", "pp", "vpp", "cp", "ep", "etp", "first_stage_layers", "last_stage_layers",
-                       "pipeline_layout", "distributed_optimizer")
-
-
 def mark_stage_changes(stages, plans, cluster) -> None:
     """For each planned stage whose successor carries the optimizer state into another
     model-parallel layout: its final save's cost in the fully_reshardable format
     (``CheckpointCost.final_save``) and, on the successor's plan when it is planned too, the load
     of it (``stage_start_load_s``). ``stages``: the whole curriculum; ``plans``: those planned."""
+    from checkpointing.state import optimizer_layout_changes
     from pretrain.config.validation import check_run
 
     by_name = {p.name: p for p in plans}
@@ -187,11 +181,12 @@ def mark_stage_changes(stages, plans, cluster) -> None:
         p = by_name.get(st.name)
         if p is None or p.problems or nxt.optimizer_state != "carry":
             continue
+        # a stage carrying the optimizer state into another model-parallel layout needs this
+        # stage's final save in megatron's fully_reshardable format (as the run decides it)
+        if not optimizer_layout_changes(st.rc.parallel, nxt.rc.parallel):
+            continue
         layout_next, problems = check_run(nxt.rc, cluster.world_size, check_paths=False)
         if layout_next is None or problems:
-            continue
-        mine, theirs = p.layout, layout_fields(nxt.rc, layout_next)
-        if all(mine[k] == theirs[k] for k in MODEL_PARALLEL_KEYS):
             continue
         layout, _ = check_run(st.rc, cluster.world_size, check_paths=False)
         final = stage_checkpoint(st.rc, layout, cluster, st.trainable, "fully_reshardable")

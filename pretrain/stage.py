@@ -70,16 +70,12 @@ def current_params(ddp_chunks) -> None:
             c.start_param_sync(force_sync=True)
 
 
-def async_saves(ckpt_cfg, env) -> bool:
+def async_saves(ckpt_cfg) -> bool:
     """``checkpoint.async_save``; null means on for CUDA runs (where a save's files are written
     from a host copy while the GPUs train on) and off for CPU runs."""
     import torch
 
-    if ckpt_cfg.async_save is not None:
-        return ckpt_cfg.async_save
-    from parallel.megatron_compat import cpu_emulation
-
-    return torch.cuda.is_available() and not cpu_emulation.is_active()
+    return torch.cuda.is_available() if ckpt_cfg.async_save is None else ckpt_cfg.async_save
 
 
 def _stage_start_state(stage: Stage, previous: Optional[TrainState]) -> TrainState:
@@ -164,9 +160,8 @@ def run_stage(stage: Stage, how: str, latest: Optional[str], ctx: RunContext,
 
 def _layout_changes_with_moments(stage: Stage, following: Optional[Stage]) -> bool:
     """The next stage loads this stage's optimizer state into another model-parallel layout."""
-    layout = checkpoint.model_parallel_layout
     return (following is not None and following.optimizer_state == "carry"
-            and layout(following.rc.parallel) != layout(stage.rc.parallel))
+            and checkpoint.optimizer_layout_changes(stage.rc.parallel, following.rc.parallel))
 
 
 class _StageTrainer:
@@ -199,7 +194,7 @@ class _StageTrainer:
         try:
             self._train(state, chunks)
         finally:
-            self._finish_saves()
+            self._settle_saves(wait=True)
 
     def _train(self, state: TrainState, chunks) -> None:
         from pretrain.loop import evaluate, train_step
@@ -213,7 +208,7 @@ class _StageTrainer:
             position = stage.data_offset + state.consumed_samples
             stats = train_step(self.ddp, self.optimizer, self.scheduler, self.dataset, position, t,
                                self.probe, rc.model.mtp_num_steps, save_vote=self._save_due_by_clock())
-            self._poll_saves()
+            self._settle_saves()
             state.step += 1
             state.stage_step += 1
             state.consumed_samples += t.global_batch_size
@@ -251,7 +246,7 @@ class _StageTrainer:
         schedule); step and data position go on, so the batches since are not replayed."""
         from pretrain.reliability.faults import reload_last_checkpoint
 
-        self._finish_saves()  # the newest checkpoint may still be being written
+        self._settle_saves(wait=True)  # the newest checkpoint may still be being written
         path = checkpoint.latest_checkpoint(self.ctx.ckpt_dir)
         if path is not None and checkpoint.read_train_state(path).get("stage") != self.stage.name:
             checkpoint.load(path, chunks)  # the previous stage's end: its optimizer is not ours
@@ -264,7 +259,7 @@ class _StageTrainer:
         rc = self.stage.rc
         if self.writer is None:
             self.writer = CheckpointWriter(self.ctx.ckpt_dir, rc.checkpoint.keep_last,
-                                           async_saves(rc.checkpoint, self.ctx.env))
+                                           async_saves(rc.checkpoint))
         current_params(self.ddp)
         report = self.writer.save(chunks, self.optimizer, self.scheduler, state, self.ctx.config_yaml,
                                   rc.parallel, stage_final=stage_final,
@@ -274,15 +269,10 @@ class _StageTrainer:
             report = self.writer.finish() or report
         self.ctx.sink.event(checkpoint_line(report))
 
-    def _poll_saves(self) -> None:
+    def _settle_saves(self, wait: bool = False) -> None:
+        """Publish the save in flight once every rank's files are written (``wait``: wait for it)."""
         if self.writer is not None:
-            report = self.writer.poll()
-            if report is not None:
-                self.ctx.sink.event(checkpoint_line(report))
-
-    def _finish_saves(self) -> None:
-        if self.writer is not None:
-            report = self.writer.finish()
+            report = self.writer.poll(blocking=wait)
             if report is not None:
                 self.ctx.sink.event(checkpoint_line(report))
 
