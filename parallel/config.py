@@ -96,13 +96,6 @@ def layout_stages(layout: str) -> list[list[str]]:
         raise ValueError(str(e)) from None
 
 
-def megatron_layout(layout: str, mtp_num_steps: int) -> list[list[str]]:
-    """The layout as megatron-core 0.16.1 takes it: it counts one MTP layer per MTP step, and
-    GLM-5's one shared MTP module (one ``m`` in the string) is applied ``mtp_num_steps`` times."""
-    return [sum(([t] * mtp_num_steps if t == "mtp" else [t] for t in stage), [])
-            for stage in layout_stages(layout)]
-
-
 def _pipeline_layout_problems(par: "ParallelConfig", num_layers: int, mtp_num_steps: int):
     """``(stages, problems)`` of ``parallel.pipeline_layout``: megatron's own checks of the
     string against pp, vpp, the layer count and the MTP module."""
@@ -120,8 +113,8 @@ def _pipeline_layout_problems(par: "ParallelConfig", num_layers: int, mtp_num_st
         return None, [f"{where} has {len(stages)} stages, but parallel.pp={par.pp} x vpp={par.vpp} = "
                       f"{par.pp * par.virtual_stages} model chunks"]
     try:
-        PipelineParallelLayerLayout(megatron_layout(par.pipeline_layout, mtp_num_steps), par.pp) \
-            .validate_layer_layout(num_layers=num_layers, mtp_num_layers=mtp_num_steps or None)
+        PipelineParallelLayerLayout(stages, par.pp) \
+            .validate_layer_layout(num_layers=num_layers, mtp_num_layers=1 if mtp_num_steps else None)
     except (AssertionError, NotImplementedError) as e:
         return None, [f"{where} (model.num_layers={num_layers}, one m for the MTP module "
                       f"{'applied ' + str(mtp_num_steps) + ' times' if mtp_num_steps else '(none: mtp_num_steps=0)'}): {e}"]

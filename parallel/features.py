@@ -73,11 +73,9 @@ def _ep_overlap_problems(par, recompute, dtype, mtp_num_steps, num_experts) -> l
         p.append(f"{what} needs model.recompute other than full (got full; selective is allowed)")
     if dtype != "bf16":
         p.append(f"{what} needs precision.dtype=bf16 (got {dtype})")
-    if mtp_num_steps > 1:
-        p.append(f"{what} needs megatron's MTP to have one layer, but model.mtp_num_steps="
-                 f"{mtp_num_steps} is passed to megatron as {mtp_num_steps} MTP layers")
-    if mtp_num_steps == 1 and par.pp == 1:
-        p.append(f"{what} with an MTP layer needs parallel.pp > 1 (got pp=1)")
+    if mtp_num_steps and par.pp == 1:
+        p.append(f"{what} with the MTP module (model.mtp_num_steps={mtp_num_steps}) needs "
+                 "parallel.pp > 1 (got pp=1)")
     if par.pp > 1 and (par.vpp or 1) == 1:
         p.append(f"{what} with parallel.pp={par.pp} needs virtual pipeline stages: parallel.vpp > 1 "
                  f"(got {par.vpp})")
@@ -138,13 +136,13 @@ def machine_problems(par, precision, optimizer, *, cuda: bool) -> list[str]:
     return [m + ("" if cuda else " (this machine has no CUDA)") for m in missing]
 
 
-def transformer_kwargs(par, mtp_num_steps: int) -> dict:
+def transformer_kwargs(par) -> dict:
     """megatron TransformerConfig fields of the layout's speed features and pipeline layout."""
-    from parallel.config import megatron_layout
+    from parallel.config import layout_stages
 
     kw = {name: getattr(par, name) for name in TRANSFORMER_FIELDS}
     if par.pipeline_layout:
-        kw["pipeline_model_parallel_layout"] = megatron_layout(par.pipeline_layout, mtp_num_steps)
+        kw["pipeline_model_parallel_layout"] = layout_stages(par.pipeline_layout)
     return kw
 
 

@@ -3,8 +3,8 @@ megatron-core's internals, in one package.
 
 - Correctness fixes, on every backend (CPU and GPU): :func:`install` (``fixes.py``,
   ``distrib_optimizer.py``, ``mtp.py``, ``micro_batch.py``), called by ``parallel.initialize``
-  before any model or optimizer is built. :func:`set_mtp_block_class` is the per-model hook of
-  ``mtp.py``; :func:`release_cached_modules` empties megatron's caches and
+  before any model or optimizer is built. :func:`set_mtp_block_class` and
+  :func:`config_with_mtp_depths` are the per-model hooks of ``mtp.py``; :func:`release_cached_modules` empties megatron's caches and
   :func:`reset_loss_trackers` its per-layer loss trackers (after each stage).
 - ``micro_batch.py``: :class:`MicroBatch`, the one per-micro-batch context for what megatron's
   forward does not pass down (the document ids' host copy, the MTP shifts' document boundaries,
@@ -37,6 +37,7 @@ jit_fusers.install()  # first: before megatron-core's first import (jit_fusers.p
 from parallel.megatron_compat.fixes import (  # noqa: E402
     cross_process_write_results, install, release_cached_modules, reset_loss_trackers)
 from parallel.megatron_compat.micro_batch import MicroBatch  # noqa: E402
-from parallel.megatron_compat.mtp import set_mtp_block_class  # noqa: E402
+from parallel.megatron_compat.mtp import config_with_mtp_depths, set_mtp_block_class  # noqa: E402
 
-__all__ = ["MicroBatch", "install", "release_cached_modules", "reset_loss_trackers", "set_mtp_block_class"]
+__all__ = ["MicroBatch", "config_with_mtp_depths", "install", "release_cached_modules", "reset_loss_trackers",
+           "set_mtp_block_class"]

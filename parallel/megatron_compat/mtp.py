@@ -93,3 +93,28 @@ def set_mtp_block_class(model, block_class) -> None:
         raise TypeError(f"model.mtp is a {type(model.mtp).__name__}, not the "
                         "MultiTokenPredictionBlock megatron-core 0.16.1's GPTModel builds")
     model.mtp.__class__ = block_class
+
+
+def config_with_mtp_depths(config, depths: int):
+    """The model's own copy of its megatron config, counting ``depths`` MTP depths where the
+    modules' config counts one MTP layer.
+
+    megatron-core 0.16.1 reads ``mtp_num_layers`` as two things: the number of MTP layers (its
+    validation -- the EP all-to-all overlap allows one --, the pipeline layout, the layers
+    built, the per-layer schedule plans, all reading the layers' config) and, in
+    ``GPTModel._postprocess`` alone, the number of depths (the chunks of the MTP block's output,
+    one loss each, the loss scale ``mtp_loss_scaling_factor / depths``). A model with one layer
+    applied at several depths needs the two apart: the copy is ``GPTModel``'s ``self.config``
+    only, which elsewhere is read for ``mtp_num_layers`` as a flag (finalize_model_grads, the
+    schedules' MTP loss scale, the embedding sync, the EP-overlap post-process node)."""
+    import copy
+
+    from parallel.megatron_compat.version import check_megatron_core
+
+    check_megatron_core(__file__)
+    if not config.mtp_num_layers == 1 <= depths:
+        raise ValueError(f"one MTP layer applied at depths >= 1 (got mtp_num_layers="
+                         f"{config.mtp_num_layers}, depths={depths})")
+    model_config = copy.copy(config)
+    model_config.mtp_num_layers = depths
+    return model_config

@@ -123,6 +123,7 @@ def assert_same_training(want: list, have: list, want_topk: dict, have_topk: dic
     by a near-tie the layout's summation order moved (seen: one row of 4,480 under CP2 x TP2,
     which moved the step's loss by 2.7e-6)."""
     keys = ["lm_loss", "mtp_loss", "loss", "grad_norm"] + (["indexer_kl"] if dsa_mode not in ("dense", "none") else [])
+    keys += sorted(k for k in want[0] if k.startswith("mtp_") and k[4:-5].isdigit())  # each MTP depth's loss
     if dsa_mode == "sparse":  # both runs recorded every step's selections
         assert set(want_topk) == set(have_topk) == {r["step"] for r in want}, (sorted(want_topk), sorted(have_topk))
     compared = 0

@@ -282,7 +282,7 @@ def to_transformer_config(cfg: GLM5Config, par: ParallelConfig, precision: Preci
         hidden_dropout=0.0,
         attention_dropout=0.0,
         init_method_std=cfg.init_std,
-        mtp_num_layers=cfg.mtp_num_steps or None,
+        mtp_num_layers=1 if cfg.mtp_num_steps else None,  # one layer, applied mtp_num_steps times
         mtp_loss_scaling_factor=cfg.mtp_loss_scale,
         tensor_model_parallel_size=par.tp,
         pipeline_model_parallel_size=par.pp,
@@ -299,5 +299,5 @@ def to_transformer_config(cfg: GLM5Config, par: ParallelConfig, precision: Preci
         use_cpu_initialization=on_cpu,
         **moe,
         **fp8,
-        **transformer_kwargs(par, cfg.mtp_num_steps),
+        **transformer_kwargs(par),
     )

@@ -18,18 +18,24 @@ class GLM5Model(GPTModel):
     """megatron's GPTModel with GLM-5's shared MTP block.
 
     GPTModel constructs its MTP block itself (megatron-core offers no hook for its class); the
-    block spec given here has one layer, and the built block is explicitly switched to
-    :class:`SharedMultiTokenPredictionBlock` (same state, a forward that applies that layer at
-    every depth: ``megatron_compat.set_mtp_block_class``) so the parameters exist once. Its MTP
+    block spec given here has one layer (megatron's config says ``mtp_num_layers=1``), and the
+    built block is explicitly switched to :class:`SharedMultiTokenPredictionBlock` (same state, a
+    forward that applies that layer at each of ``mtp_num_steps`` depths:
+    ``megatron_compat.set_mtp_block_class``) so the parameters exist once; the model's own config
+    counts the depths, which is what GPTModel's loss reads it for
+    (``megatron_compat.config_with_mtp_depths``). Its MTP
     losses are sequence means under context parallelism and stay inside packed documents
     (``parallel.megatron_compat.mtp``). Its forward runs under one micro-batch context
     (``parallel.megatron_compat.micro_batch``).
     """
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, mtp_num_steps: int = 0, **kwargs):
         super().__init__(*args, **kwargs)
         if self.mtp_process:
             megatron_compat.set_mtp_block_class(self, SharedMultiTokenPredictionBlock)
+            self.mtp.num_steps = mtp_num_steps
+        if mtp_num_steps:
+            self.config = megatron_compat.config_with_mtp_depths(self.config, mtp_num_steps)
 
     def forward(self, input_ids, position_ids, attention_mask, *args, micro_batch=None, **kwargs):
         """``attention_mask`` is None or the micro-batch's document ids [b, L] (see
@@ -69,6 +75,7 @@ def build_model_chunks(cfg: GLM5Config, tcfg, backend: str) -> list[GLM5Model]:
                 position_embedding_type="rope",
                 rotary_base=int(cfg.rope_theta),
                 mtp_block_spec=mtp_block_spec(tcfg, backend, cfg.dsa, vp_stage=stage),
+                mtp_num_steps=cfg.mtp_num_steps,
                 vp_stage=stage,
             )
         )

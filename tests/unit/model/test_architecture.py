@@ -239,7 +239,8 @@ class TestGLM5_744B:
         from model_providers.glm5.model.mtp import SharedMultiTokenPredictionBlock
 
         cfg, tcfg, model = built
-        assert tcfg.mtp_num_layers == cfg.mtp_num_steps == 3
+        assert cfg.mtp_num_steps == 3 and tcfg.mtp_num_layers == 1  # megatron sees the one layer
+        assert model.config.mtp_num_layers == model.mtp.num_steps == 3  # GPTModel's loss: the depths
         assert isinstance(model.mtp, SharedMultiTokenPredictionBlock)
         assert len(model.mtp.layers) == 1
         assert isinstance(model.mtp.layers[0].transformer_layer.mlp, MoELayer)
@@ -429,7 +430,7 @@ def test_tiny_forward_gives_per_token_losses_of_its_logits(tiny, batch):
 
 def test_one_mtp_module_three_losses(tiny, batch):
     cfg, tcfg, model = tiny
-    assert cfg.mtp_num_steps == tcfg.mtp_num_layers == 3
+    assert (cfg.mtp_num_steps, tcfg.mtp_num_layers, model.config.mtp_num_layers) == (3, 1, 3)
     assert len(model.mtp.layers) == 1
     loss, mtp = _train_forward_backward(model, batch)
     assert loss.shape == (2, 16)
@@ -441,9 +442,10 @@ def test_one_mtp_module_three_losses(tiny, batch):
 
 
 def test_shared_mtp_equals_megatron_block_with_tied_copies(tiny, batch):
-    """Reference: megatron's stock MultiTokenPredictionBlock with 3 separate layers, each a copy
-    of our one shared layer. Per-depth losses must match, and the gradient of every shared MTP
-    parameter must equal the sum of the three copies' gradients (all 3 depths reach it)."""
+    """Reference: megatron's stock MultiTokenPredictionBlock with 3 separate layers
+    (``mtp_num_layers=3``, how this model was built before megatron was told of one layer), each a
+    copy of our one shared layer. Per-depth losses must match, and the gradient of every shared
+    MTP parameter must equal the sum of the three copies' gradients (all 3 depths reach it)."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer.multi_token_prediction import (
         MultiTokenPredictionBlock,
@@ -451,13 +453,14 @@ def test_shared_mtp_equals_megatron_block_with_tied_copies(tiny, batch):
     )
 
     from model_providers.glm5.model.specs import decoder_block_spec, mtp_block_spec
-    from parallel.megatron_compat import MicroBatch
+    from parallel.megatron_compat import MicroBatch, reset_loss_trackers
 
     cfg, tcfg, model = tiny
     one = mtp_block_spec(tcfg, "local", cfg.dsa)
     assert len(one.layer_specs) == 1
+    assert tcfg.mtp_num_layers == 1
     ref = GPTModel(
-        config=tcfg,
+        config=dataclasses.replace(tcfg, mtp_num_layers=3),
         transformer_layer_spec=decoder_block_spec(tcfg, "local", cfg.dsa),
         vocab_size=cfg.padded_vocab_size(1),
         max_sequence_length=cfg.max_position_embeddings,
@@ -478,8 +481,10 @@ def test_shared_mtp_equals_megatron_block_with_tied_copies(tiny, batch):
     assert sum(p.numel() for p in ref.parameters()) > sum(p.numel() for p in model.parameters())
 
     loss, mtp = _train_forward_backward(model, batch)
+    reset_loss_trackers()  # per-layer trackers are sized by the model that made them (4 + 1 here)
     with MicroBatch().active():  # megatron's GPTModel does not make the micro-batch GLM5Model does
         ref_loss, ref_mtp = _train_forward_backward(ref, batch)
+    reset_loss_trackers()
     torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(mtp, ref_mtp, rtol=1e-6, atol=1e-6)
 

@@ -39,14 +39,12 @@ REFUSED = [  # (layout fields, model fields, precision, our message, megatron's)
     (dict(ep=2, overlap_moe_expert_parallel_comm=True, pp=2, vpp=2), {}, PrecisionConfig(dtype="fp32"),
      "parallel.overlap_moe_expert_parallel_comm=true needs precision.dtype=bf16 (got fp32)",
      "only supported with bf16"),
-    (dict(ep=2, overlap_moe_expert_parallel_comm=True, pp=2, vpp=2), dict(mtp_num_steps=3), BF16,
-     "model.mtp_num_steps=3 is passed to megatron as 3 MTP layers", "MTP layernum only supports 1"),
     (dict(ep=2, overlap_moe_expert_parallel_comm=True, pp=2), dict(mtp_num_steps=1), BF16,
      "with parallel.pp=2 needs virtual pipeline stages: parallel.vpp > 1", "virtual_pipeline_model_parallel_size must be"),
     (dict(ep=1, overlap_moe_expert_parallel_comm=True, pp=2, vpp=2), dict(mtp_num_steps=1), BF16,
      "needs expert parallelism: parallel.ep > 1", "only supported with expert model parallelism"),
     (dict(ep=2, overlap_moe_expert_parallel_comm=True), dict(mtp_num_steps=1), BF16,
-     "with an MTP layer needs parallel.pp > 1", "Pipeline model parallel size must be larger than 1"),
+     "with the MTP module (model.mtp_num_steps=1) needs parallel.pp > 1", "Pipeline model parallel size must be larger than 1"),
     (dict(delay_wgrad_compute=True), {}, BF16,
      "parallel.delay_wgrad_compute=true needs parallel.overlap_moe_expert_parallel_comm=true",
      "overlap_moe_expert_parallel_comm must be enabled"),
@@ -77,18 +75,19 @@ def test_refused_combinations_name_the_fields_and_megatron_refuses_them_too(fiel
 
 
 def test_ep_overlap_validates_where_megatron_allows_it_and_is_refused_at_launch():
-    """One MTP step, bf16, EP2, PP2 x VPP2, selective recompute: megatron builds its config with
-    the overlap and the delayed wgrad on, so it plans; a run is refused when it starts, saying why
-    (this pipeline's forward step and micro-batch context do not reach megatron's combined 1F1B
-    schedule yet)."""
-    model = dataclasses.replace(MOE, mtp_num_steps=1, recompute="selective")
+    """GLM-5's shared MTP module applied 3 times (megatron is told of its one layer), bf16, EP2,
+    PP2 x VPP2, selective recompute: megatron builds its config with the overlap and the delayed
+    wgrad on, so it plans; a run is refused when it starts, saying why (this pipeline's forward
+    step and micro-batch context do not reach megatron's combined 1F1B schedule yet)."""
+    model = dataclasses.replace(MOE, recompute="selective")
+    assert model.mtp_num_steps == 3
     par = ParallelConfig(overlap_moe_expert_parallel_comm=True, delay_wgrad_compute=True, **EP2)
     assert _problems(par, model) == []
     (only,) = not_yet_supported(par)
     assert only.startswith("parallel.overlap_moe_expert_parallel_comm=true is not supported by this "
                            "pipeline yet: megatron-core 0.16.1 runs it through GPTModel.build_schedule_plan")
     tcfg = to_transformer_config(model, par, BF16)
-    assert tcfg.overlap_moe_expert_parallel_comm and tcfg.delay_wgrad_compute
+    assert tcfg.overlap_moe_expert_parallel_comm and tcfg.delay_wgrad_compute and tcfg.mtp_num_layers == 1
 
 
 def test_megatron_takes_every_feature_field_under_its_own_name():
@@ -169,10 +168,10 @@ def test_pipeline_layout_is_checked_by_megatron_and_gives_the_chunks():
     _, p = check_layout(ParallelConfig(pp=2, pipeline_layout="Ett|ttmL", last_stage_layers=2), **base)
     assert p == ["parallel.pipeline_layout='Ett|ttmL' replaces parallel.first_stage_layers=None and "
                  "last_stage_layers=2: set those to null"]
-    # megatron takes the one shared MTP module as one m per MTP step
+    # megatron is told of the one shared MTP module, applied mtp_num_steps times: one m
     tcfg = to_transformer_config(MOE, ParallelConfig(pp=2, vpp=2, pipeline_layout="Et|tt|t|mL"), BF16)
-    assert tcfg.pipeline_model_parallel_layout.layout[1][1] == ["mtp"] * 3 + ["loss"] or \
-        [t.name for t in tcfg.pipeline_model_parallel_layout.layout[1][1]] == ["mtp"] * 3 + ["loss"]
+    assert [t.name for t in tcfg.pipeline_model_parallel_layout.layout[1][1]] == ["mtp", "loss"]
+    assert tcfg.mtp_num_layers == 1 and MOE.mtp_num_steps == 3
 
 
 def test_bf16_moments_are_megatrons_precision_aware_adam():
