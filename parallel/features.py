@@ -86,12 +86,6 @@ def not_yet_supported(par) -> list[str]:
     """Features megatron-core has that this pipeline cannot run yet (refused when a run starts;
     the planner still models them, e.g. to reproduce a published Megatron-LM run)."""
     p = []
-    if par.overlap_moe_expert_parallel_comm:
-        p.append("parallel.overlap_moe_expert_parallel_comm=true is not supported by this pipeline yet: "
-                 "megatron-core 0.16.1 runs it through GPTModel.build_schedule_plan and its combined 1F1B "
-                 "schedule, which run one micro-batch's forward inside another's backward, outside the "
-                 "model's forward, where this model's per-micro-batch context lives (document masks, MTP "
-                 "shifts inside documents, the DSA hand-over: parallel.megatron_compat.micro_batch)")
     if par.tp_comm_overlap:
         p.append("parallel.tp_comm_overlap=true is not supported by this pipeline yet: Transformer "
                  "Engine's userbuffers must be created at startup (megatron-LM's training loop calls "
@@ -116,7 +110,6 @@ def machine_problems(par, precision, optimizer, *, cuda: bool) -> list[str]:
         "apply_rope_fusion": ("megatron's Triton MLA RoPE kernels", True),
         "gradient_accumulation_fusion": ("Transformer Engine or apex", te or apex),
         "tp_comm_overlap": ("Transformer Engine userbuffers", te),
-        "overlap_moe_expert_parallel_comm": ("CUDA streams", True),
         "delay_wgrad_compute": ("Transformer Engine grouped GEMM", te),
     }
     missing = []

@@ -60,15 +60,17 @@ def document_mask(document_ids: torch.Tensor | None) -> torch.Tensor | None:
     return document_ids
 
 
-def forward_step(data_iterator, model, per_sample: bool = False):
-    """``per_sample``: also report each sample's loss sum and tokens (:func:`with_sample_sums`)."""
+def forward_step(data_iterator, model, per_sample: bool = False, return_schedule_plan: bool = False):
+    """``per_sample``: also report each sample's loss sum and tokens (:func:`with_sample_sums`).
+    ``return_schedule_plan``: megatron's combined 1F1B schedule (the EP all-to-all overlap) asks
+    for the model's plan of this micro-batch, whose nodes it runs itself, instead of its output."""
     host = next(data_iterator)
     documents = document_mask(host.get("document_ids"))
     batch = batch_on_this_cp_rank(to_device(host))
     # the model's context for this micro-batch: the attention plans its document blocks on the
     # data loader's host copy of the ids (no device sync)
     micro_batch = MicroBatch(batch["document_ids"], documents) if documents is not None else MicroBatch()
-    output = model(
+    output = (model.build_schedule_plan if return_schedule_plan else model)(
         batch["tokens"],
         batch["position_ids"],
         micro_batch.document_ids,

@@ -11,6 +11,9 @@ megatron-core's internals, in one package.
   the MLA intermediates the DSA core attention reads); the model's forward makes it active, and
   the installed patches re-enter it in recomputation and carry its hand-overs through the
   core attention's selective recomputation.
+- ``schedule_plan.py``: megatron's schedule plans (the EP all-to-all overlap's combined 1F1B)
+  for this model: every node runs under its micro-batch, the shared MTP layer is planned per
+  depth (``GLM5Model.build_schedule_plan``).
 - ``tp_attributes.py``: the TP marks of every linear layer's parameters rewritten from what the
   layer is (Transformer Engine's are wrong for replicated and expert layers); the model provider
   applies it to every chunk it builds.

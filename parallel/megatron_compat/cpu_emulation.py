@@ -194,6 +194,8 @@ def _patch_cuda_runtime() -> None:
     cuda.max_memory_allocated = lambda *a, **k: 0
     cuda.memory_reserved = lambda *a, **k: 0
     cuda.reset_peak_memory_stats = lambda *a, **k: None
+    cuda.nvtx.range_push = lambda *a, **k: None  # profiler ranges (the combined 1F1B's nodes)
+    cuda.nvtx.range_pop = lambda *a, **k: None
 
 
 def _patch_cuda_rng() -> None:

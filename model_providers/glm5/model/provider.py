@@ -44,12 +44,31 @@ class GLM5Model(GPTModel):
         host copy); by default one is made here. It is the active one while megatron's forward
         runs: the dense attention plans its document blocks from its host ids, MTP's shifts stay
         inside its documents, the MLA hands the DSA core attention its intermediates through it."""
-        if micro_batch is None:
-            micro_batch = megatron_compat.MicroBatch(attention_mask)
-        elif micro_batch.document_ids is not attention_mask:
-            raise ValueError(f"attention_mask is not the document ids of {micro_batch!r}")
+        micro_batch = _micro_batch_of(attention_mask, micro_batch)
         with micro_batch.active():
             return super().forward(input_ids, position_ids, attention_mask, *args, **kwargs)
+
+    def build_schedule_plan(self, input_ids, position_ids, attention_mask, *args, micro_batch=None,
+                            **kwargs):
+        """megatron's plan of this chunk for one micro-batch (the EP all-to-all overlap's combined
+        1F1B schedule runs its nodes, not :meth:`forward`): each node runs under ``micro_batch``
+        and the shared MTP layer is planned once per depth
+        (``megatron_compat.schedule_plan.adapt``). Arguments as :meth:`forward`'s."""
+        from parallel.megatron_compat import schedule_plan
+
+        micro_batch = _micro_batch_of(attention_mask, micro_batch)
+        plan = super().build_schedule_plan(input_ids, position_ids, attention_mask, *args, **kwargs)
+        return schedule_plan.adapt(plan, micro_batch, self.mtp.num_steps if self.mtp_process else 0)
+
+
+def _micro_batch_of(attention_mask, micro_batch):
+    """``micro_batch``, which must carry ``attention_mask`` as its document ids; by default one
+    made here."""
+    if micro_batch is None:
+        return megatron_compat.MicroBatch(attention_mask)
+    if micro_batch.document_ids is not attention_mask:
+        raise ValueError(f"attention_mask is not the document ids of {micro_batch!r}")
+    return micro_batch
 
 
 def build_model_chunks(cfg: GLM5Config, tcfg, backend: str) -> list[GLM5Model]:

@@ -685,8 +685,9 @@ def test_micro_batch_is_active_once_at_a_time_and_checks_its_hand_overs():
 
 
 def test_model_forward_refuses_a_micro_batch_of_other_document_ids():
-    """GLM5Model.forward makes its micro-batch active for megatron's forward; the one the
-    training step passes must carry the ``attention_mask`` the model gets."""
+    """GLM5Model.forward makes its micro-batch active for megatron's forward (build_schedule_plan
+    binds it to the plan's nodes); the one the training step passes must carry the
+    ``attention_mask`` the model gets."""
     from model_providers.glm5.model.provider import GLM5Model
     from parallel.megatron_compat.micro_batch import MicroBatch
 
@@ -695,6 +696,8 @@ def test_model_forward_refuses_a_micro_batch_of_other_document_ids():
         GLM5Model.forward(None, ids, ids, ids, micro_batch=MicroBatch())
     with pytest.raises(ValueError, match="attention_mask is not the document ids"):
         GLM5Model.forward(None, ids, ids, ids.clone(), micro_batch=MicroBatch(ids))
+    with pytest.raises(ValueError, match="attention_mask is not the document ids"):  # the EP-overlap plan's
+        GLM5Model.build_schedule_plan(None, ids, ids, ids.clone(), micro_batch=MicroBatch(ids))
 
 
 def test_recomputation_runs_under_the_micro_batch_of_its_forward(one_rank):

@@ -74,18 +74,17 @@ def test_refused_combinations_name_the_fields_and_megatron_refuses_them_too(fiel
         assert megatrons in _megatron_refuses(par, model, precision)
 
 
-def test_ep_overlap_validates_where_megatron_allows_it_and_is_refused_at_launch():
+def test_ep_overlap_validates_where_megatron_allows_it():
     """GLM-5's shared MTP module applied 3 times (megatron is told of its one layer), bf16, EP2,
     PP2 x VPP2, selective recompute: megatron builds its config with the overlap and the delayed
-    wgrad on, so it plans; a run is refused when it starts, saying why (this pipeline's forward
-    step and micro-batch context do not reach megatron's combined 1F1B schedule yet)."""
+    wgrad on. The overlap itself runs on CPU ranks (tests/distributed/test_ep_overlap.py); the
+    delayed wgrad needs Transformer Engine's grouped GEMM, which only the machine check asks for."""
     model = dataclasses.replace(MOE, recompute="selective")
     assert model.mtp_num_steps == 3
     par = ParallelConfig(overlap_moe_expert_parallel_comm=True, delay_wgrad_compute=True, **EP2)
-    assert _problems(par, model) == []
-    (only,) = not_yet_supported(par)
-    assert only.startswith("parallel.overlap_moe_expert_parallel_comm=true is not supported by this "
-                           "pipeline yet: megatron-core 0.16.1 runs it through GPTModel.build_schedule_plan")
+    assert _problems(par, model) == [] and not_yet_supported(par) == []
+    assert machine_problems(par, BF16, OptimizerConfig(), cuda=False) == [
+        "parallel.delay_wgrad_compute=true needs CUDA and Transformer Engine grouped GEMM (this machine has no CUDA)"]
     tcfg = to_transformer_config(model, par, BF16)
     assert tcfg.overlap_moe_expert_parallel_comm and tcfg.delay_wgrad_compute and tcfg.mtp_num_layers == 1
 
