@@ -51,6 +51,13 @@ class Candidate:
         return {"parallel": dict(self.parallel), "recompute": self.recompute}
 
 
+#: the speed-feature fields a layout is tried with (:func:`feature_sets`)
+FEATURE_FIELDS = ("moe_token_dispatcher_type", "moe_permute_fusion", "moe_router_fusion",
+                  "cross_entropy_loss_fusion", "apply_rope_fusion", "bias_activation_fusion",
+                  "gradient_accumulation_fusion", "overlap_grad_reduce", "overlap_param_gather",
+                  "overlap_moe_expert_parallel_comm", "delay_wgrad_compute")
+
+
 def feature_sets(rc, ep: int, etp: int, pp: int, vpp, recompute: str) -> list[dict]:
     """The speed-feature variants a layout is tried with: as the run sets them ({}), all on
     (what applies to this model and precision), and all on with megatron's EP all-to-all overlap
@@ -64,6 +71,7 @@ def feature_sets(rc, ep: int, etp: int, pp: int, vpp, recompute: str) -> list[di
               gradient_accumulation_fusion=True,
               overlap_grad_reduce=True, overlap_param_gather=True,
               overlap_moe_expert_parallel_comm=False, delay_wgrad_compute=False)
+    assert tuple(on) == FEATURE_FIELDS
     out = [{}, on]
     if moe and ep > 1 and bf16 and recompute != "full" and (pp == 1 or (vpp or 1) > 1):
         out.append({**on, "overlap_moe_expert_parallel_comm": True, "delay_wgrad_compute": True})
@@ -76,6 +84,7 @@ def candidates(rc, world_size: int, gpus_per_node: int):
     m = rc.model
     experts = m.num_experts or 1
     ends, layouts = {}, {}
+    run_features = {k: getattr(rc.parallel, k) for k in FEATURE_FIELDS}
     for tp, pp, vpp, ep, cp in itertools.product(TP, PP, VPP, EP, CP):
         if tp > gpus_per_node or m.num_attention_heads % tp or experts % ep or (vpp and pp == 1):
             continue
@@ -96,7 +105,9 @@ def candidates(rc, world_size: int, gpus_per_node: int):
                 pipelines += [{**base, "pipeline_layout": lay} for lay in layouts[pp, vpp]]
             for recompute, pipeline in itertools.product(RECOMPUTE, pipelines):
                 for features in feature_sets(rc, ep, etp, pp, vpp, recompute):
-                    cand = Candidate({**pipeline, **features}, recompute)
+                    # the run's own features spelled out: a preset built from the winners states
+                    # each stage's, whatever the first stage's winner turns on
+                    cand = Candidate({**pipeline, **(features or run_features)}, recompute)
                     crc = cand.apply(rc)
                     if features and not_yet_supported(crc.parallel):
                         continue  # a preset for this pipeline: what it cannot run yet is not proposed

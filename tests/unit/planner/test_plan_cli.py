@@ -104,3 +104,23 @@ def test_search_winner_overrides_validate_and_fit(capsys):
     overrides = line.split("slurm/pretrain.sh", 1)[1].split()
     rc, stages, problems = resolve_run(overrides, 16)
     assert problems == [] and len(stages) == 1
+
+
+def test_search_candidates_state_every_speed_feature():
+    """A preset made of the stages' winners (``--search``) writes each stage as its difference
+    from the first stage's winner. A winner that keeps the run's own features must state them:
+    a full-recompute stage left silent inherited the first stage's EP all-to-all overlap, which
+    megatron refuses with full recompute (the H100 search printed such a preset)."""
+    import itertools
+
+    from planner.__main__ import resolve_run
+    from planner.search import FEATURE_FIELDS, candidates, preset_yaml
+
+    rc, stages, problems = resolve_run([*TINY, "precision=bf16", "trainer.global_batch_size=64"], 8)
+    assert problems == []
+    cands = [c for c, _, _ in itertools.islice(candidates(stages[0].rc, 8, 8), 400)]
+    assert cands and all(set(FEATURE_FIELDS) <= set(c.parallel) for c in cands)
+    overlap = next(c for c in cands if c.parallel["overlap_moe_expert_parallel_comm"])
+    plain_full = next(c for c in cands if c.recompute == "full" and not c.parallel["overlap_moe_expert_parallel_comm"])
+    text = preset_yaml([("a", overlap), ("b", plain_full)], type("C", (), dict(name="x", nodes=1, world_size=8)), {})
+    assert "overlap_moe_expert_parallel_comm: false" in text.splitlines()[-1], text
