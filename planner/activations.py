@@ -2,9 +2,8 @@
 
 Counted is what this project's GLM-5 layers keep for the backward pass (every tensor autograd
 saves, once per storage), per micro-batch: MLA's low-rank path (down-projections, q/kv norms,
-up-projections, RoPE), the core attention (dense: SDPA's output and log-sum-exp; DSA warm-up:
-the indexer and the dense KL's eager gradients; sparse: the indexer, top-k indices, the absorbed
-sparse attention and the sparse KL), the MoE router, dispatcher and experts (balanced routing;
+up-projections, RoPE), the core attention (dense: SDPA's output and log-sum-exp; sparse: the
+indexer, top-k indices, the absorbed sparse attention and the sparse KL), the MoE router, dispatcher and experts (balanced routing;
 6 values of ``moe_ffn / etp`` per routed token: fc1's two halves, SiLU, the linear half, their
 product and its prob-weighted copy), the shared expert and dense FFN (5 per token), the norms,
 the embedding (first stage), the shared MTP layer run ``mtp_num_steps`` times and the output
@@ -31,8 +30,9 @@ Two backends keep different things; the model follows the run's:
   keep fp8 copies of their inputs besides: not counted.
 ``model.layer_backend: auto`` is taken as ``te`` for bf16 runs and ``local`` for fp32 ones.
 
-Where the estimate is an upper bound: DSA warm-up counts what dense training keeps (only the
-indexer trains, so layers keep less: measured 0.7x on the tiny model). In sparse mode the queries
+The DSA warm-up runs the frozen network without autograd (``dsa.modes.indexer_only_forward``):
+a micro-batch keeps only each indexer's parameter gradients, computed in its layer's forward, and
+the chunk's input; the working memory is one layer's KL. In sparse mode the queries
 before position ``topk`` (all on CP rank 0) take the dense path, whose SDPA keeps the layer's
 full keys and values alive: CP rank 0 holds the most, and is the default rank estimated.
 
@@ -225,17 +225,10 @@ def _core_internals(d: _Dims, m) -> int:
     lse = d.q * n * FP32 if d.plain_causal else 0
     if dsa.mode in ("dense", "none"):
         return lse
-    heads, hd, rope, c = dsa.index_heads, dsa.index_head_dim, m.qk_rope_head_dim, m.kv_lora_rank
-    out = d.q * (d.a * hd + 2 * FP32) + d.positions * d.a * rope  # wk out, k_norm stats, RoPE
-    # the indexer reads the layer input and q latent batch-first: new tensors when SP gathered
-    # them, or when the transpose is not free (b > 1: wk and weights_proj each keep a copy)
-    if d.b > 1:
-        out += d.q * d.a * (2 * m.hidden_size + m.q_lora_rank)
-    elif d.tp > 1:
-        out += d.q * d.a * (m.hidden_size + m.q_lora_rank)
-    out += d.q * heads * (hd + 1) * FP32 + d.k * hd * FP32  # the KL's eager gradients
+    out = _indexer_saved(d, m)
     if dsa.mode == "warmup":
         return out + lse
+    rope, c, hd = m.qk_rope_head_dim, m.kv_lora_rank, dsa.index_head_dim
     rows, kk = d.q - d.prefix, min(dsa.topk, d.k // d.b)
     if d.prefix:  # the dense prefix: its KL's key gradient and SDPA's log-sum-exp
         out += d.b * kk * hd * FP32 + (d.prefix * n * FP32 if d.plain_causal else 0)
@@ -244,6 +237,20 @@ def _core_internals(d: _Dims, m) -> int:
     if d.b > 1:  # the absorption einsums' batched copies of q_nope and the latent output
         out += rows * d.a * n * (m.qk_nope_head_dim + c)
     return out + d.k * d.a * (c + rope)  # the latent key rows
+
+
+def _indexer_saved(d: _Dims, m) -> int:
+    """What the lightning indexer and its KL keep for backward."""
+    dsa = m.dsa
+    heads, hd, rope = dsa.index_heads, dsa.index_head_dim, m.qk_rope_head_dim
+    out = d.q * (d.a * hd + 2 * FP32) + d.positions * d.a * rope  # wk out, k_norm stats, RoPE
+    # the indexer reads the layer input and q latent batch-first: new tensors when SP gathered
+    # them, or when the transpose is not free (b > 1: wk and weights_proj each keep a copy)
+    if d.b > 1:
+        out += d.q * d.a * (2 * m.hidden_size + m.q_lora_rank)
+    elif d.tp > 1:
+        out += d.q * d.a * (m.hidden_size + m.q_lora_rank)
+    return out + d.q * heads * (hd + 1) * FP32 + d.k * hd * FP32  # the KL's eager gradients
 
 
 def _ffn(d: _Dims, m, moe: bool, drop) -> int:
@@ -301,10 +308,15 @@ def _chunk_saved(d: _Dims, m, layers, first: bool, mtp: bool, loss: bool) -> int
     holds the loss."""
     h, drop = m.hidden_size, _drop(m)
     out = d.r * d.a * h  # the chunk's input: the embedding's output or the received activations
+    steps = m.mtp_num_steps
+    if m.dsa.mode == "warmup":  # the frozen forward keeps only each indexer's parameter gradients
+        d_idx, h = m.dsa, m.hidden_size
+        params = d_idx.index_heads * d_idx.index_head_dim * m.q_lora_rank + d_idx.index_head_dim * h \
+            + d_idx.index_heads * h + 2 * d_idx.index_head_dim
+        return out + (len(layers) + (1 if mtp and steps else 0)) * params * d.a
     if first and d.tp > 1:  # the vocab-parallel embedding's masked ids and mask
         out += d.q * (INT64 + 1)
     out += sum(_layer(d, m, _is_moe(m, i), drop) for i in layers)
-    steps = m.mtp_num_steps
     if mtp:
         out += sum(_mtp_depth(d, m, s == steps - 1, drop) for s in range(steps))
     if loss:
@@ -318,6 +330,8 @@ def _logits(d: _Dims, m, tp: int) -> tuple:
     backward: the output layer's weight and input gradients, and the logits' gradient cast to
     a reduced activation dtype)."""
     vocab, h = m.padded_vocab_size(tp) // tp, m.hidden_size
+    if m.dsa.mode == "warmup":  # the frozen forward: one head's fp32 logits at a time, no backward
+        return 0, d.q * vocab * FP32
     saved = (1 + m.mtp_num_steps) * d.q * (vocab * FP32 + INT64 + 1)
     cast = d.q * vocab * d.a if d.a != FP32 else 0
     return saved, cast + (vocab * h + d.q * h) * d.a
@@ -334,6 +348,8 @@ def _dispatcher(d: _Dims, m) -> int:
 def _working(d: _Dims, m, layers, mtp: bool, loss: bool) -> int:
     """One layer's backward: what recomputation brings back (the chunk's largest layer, or an
     MTP depth) and the gradients in flight."""
+    if m.dsa.mode == "warmup":  # no backward of the frozen layers: one indexer's KL at work in forward
+        return _indexer_saved(d, m)
     drop, none = _drop(m), frozenset()
     recomputed = [_layer(d, m, moe, none) - _layer(d, m, moe, drop)
                   for moe in {_is_moe(m, i) for i in layers}]

@@ -337,7 +337,11 @@ def step_time(rc, layout, cluster) -> StepTime:
     gemm_rate = c.fp8_tflops * c.fp8_matmul_efficiency * FP8_RECIPE_RATE[fp8] if fp8 else head_rate
     hbm = c.hbm_gbps * GB * c.hbm_efficiency
     model = _Model(rc)
-    modes = {"full"} if m.recompute == "full" else set(m.recompute_modules if m.recompute else ())
+    # the DSA warm-up runs the frozen network without autograd (dsa.modes.indexer_only_forward):
+    # its layers run forward only, nothing is recomputed, backward is the indexers' alone
+    frozen = m.dsa.mode == "warmup"
+    backward = 0 if frozen else 1  # passes of the layers' backward (collectives, element-wise)
+    modes = set() if frozen else {"full"} if m.recompute == "full" else set(m.recompute_modules if m.recompute else ())
     again_all = "full" in modes
     moe_again = again_all or "moe" in modes
     sparse_dsa = m.dsa.mode in ("warmup", "sparse")
@@ -346,8 +350,8 @@ def step_time(rc, layout, cluster) -> StepTime:
     local_tokens = mbs * L / (tp * cp)  # the tokens' share of one GPU's work
     h = m.hidden_size
     act = mbs * (L / cp) * h * a  # one layer's hidden states on a TP group (full sequence share)
-    routed_flops = 6 * h * m.moe_ffn_hidden_size * m.moe_topk * (
-        2 + (m.dsa.mode != "warmup") + moe_again) if m.num_experts else 0.0
+    routed_flops = 6 * h * m.moe_ffn_hidden_size * m.moe_topk * (  # forward, dgrad, wgrad, again
+        1 + 2 * backward + moe_again) if m.num_experts else 0.0
 
     def compute(w, rate: float, moe: bool) -> float:
         split = (w.gemm / rate + w.attention / (dense_peak * c.attention_efficiency)
@@ -358,7 +362,8 @@ def step_time(rc, layout, cluster) -> StepTime:
 
     def passes(name: str, again: bool) -> float:
         unfused, fused, switch = ELEMENTWISE[name]
-        return (fused if switch and getattr(p, switch) else unfused) * (1 + FORWARD_SHARE * again)
+        share = FORWARD_SHARE if frozen else 1 + FORWARD_SHARE * again
+        return (fused if switch and getattr(p, switch) else unfused) * share
 
     def elementwise(moe: bool) -> float:
         """HBM bytes of one layer's element-wise work on one GPU per micro-batch."""
@@ -392,7 +397,7 @@ def step_time(rc, layout, cluster) -> StepTime:
             return 0.0
         collectives = 2 + (0 if moe and etp == 1 else 2)  # per forward: around attention, around FFN
         one = _group_time(act, tp, 1, c, c.comm_efficiency)
-        return collectives * one * ((2 if again_all else 1) + 1)
+        return collectives * one * ((2 if again_all else 1) + backward)
 
     def ep_layer() -> float:
         if ep == 1:
@@ -402,7 +407,7 @@ def step_time(rc, layout, cluster) -> StepTime:
             one = _flex_time(tokens, h * a, m, ep, etp, c)
         else:
             one = _alltoall_time(tokens * m.moe_topk * h * a, ep, etp, c)
-        passes_ = 2 + (1 if moe_again else 0)  # forward, backward, recomputed forward
+        passes_ = 1 + backward + (1 if moe_again else 0)  # forward, backward, recomputed forward
         return 2 * passes_ * one * imb  # dispatch and combine
 
     def cp_layer() -> float:
@@ -410,7 +415,7 @@ def step_time(rc, layout, cluster) -> StepTime:
             return 0.0
         per_token = m.kv_lora_rank + m.qk_rope_head_dim + (m.dsa.index_head_dim if sparse_dsa else 0)
         one = _group_time(mbs * L * per_token * a, cp, tp, c, c.comm_efficiency)
-        return one * ((2 if again_all else 1) + 1)
+        return one * ((2 if again_all else 1) + backward)
 
     grads = _rank_grads(rc, layout)
     mtp_steps = m.mtp_num_steps
@@ -438,7 +443,7 @@ def step_time(rc, layout, cluster) -> StepTime:
         if r == loss_rank:
             cmp += compute(model.heads, head_rate, False)
             hbm_bytes += (1 + mtp_steps) * local_tokens * vocab * FP32 * passes("cross_entropy", False)
-            tps += (1 + mtp_steps) * 2 * (_group_time(act, tp, 1, c, c.comm_efficiency) if tp > 1 else 0.0)
+            tps += (1 + mtp_steps) * (1 + backward) * (_group_time(act, tp, 1, c, c.comm_efficiency) if tp > 1 else 0.0)
         if not p.gradient_accumulation_fusion and m.dsa.mode != "warmup":
             hbm_bytes += (grads[r].dense + grads[r].expert) * GRAD_ACCUMULATION_BYTES
         rows.append(dict(compute=cmp, elementwise=hbm_bytes / hbm, launch=gaps, tp=tps, ep=eps, cp=cps))

@@ -72,6 +72,11 @@ class MicroBatch:
         self._next_in_document = None
         self._handoffs: dict = {}
         self._depth = 0
+        #: None, or where a frozen forward collects the gradients its modules computed at once
+        #: (parameter -> gradient, summed over applications): the DSA warm-up runs the frozen
+        #: network without autograd, each layer's indexer differentiates its own KL, and the
+        #: model's output hands the gradients to backward (``dsa.modes.indexer_only_forward``)
+        self.precomputed_grads: Optional[dict] = None
 
     def __repr__(self) -> str:
         return f"MicroBatch(document_ids={_shape(self.document_ids)})"
@@ -162,6 +167,14 @@ class MicroBatch:
     def take(self, receiver):
         """The value handed over for ``receiver``, once; None if there is none."""
         return self._handoffs.pop(receiver, None)
+
+
+def precomputed_grads() -> Optional[dict]:
+    """The active micro-batch's :attr:`MicroBatch.precomputed_grads`, or None (none active, or
+    it is not a frozen forward): where a module puts the gradients of a loss it would otherwise
+    attach to its own output."""
+    micro_batch = current()
+    return None if micro_batch is None else micro_batch.precomputed_grads
 
 
 def take(receiver):

@@ -48,6 +48,10 @@ def check_run(rc: RunConfig, world_size: int, check_paths: bool = True):
     problems += check_features(rc.parallel, recompute=rc.model.recompute, dtype=rc.precision.dtype,
                                mtp_num_steps=rc.model.mtp_num_steps, num_experts=rc.model.num_experts,
                                rope_type=rc.model.rope_type)
+    if rc.parallel.overlap_moe_expert_parallel_comm and rc.model.dsa.mode == "warmup":
+        problems.append("parallel.overlap_moe_expert_parallel_comm=true cannot run with model.dsa.mode=warmup: "
+                        "the warm-up runs the frozen network without autograd in the model's forward, which "
+                        "megatron's combined 1F1B schedule does not call (its backward is only the indexers')")
     if layout is not None and rc.model.num_experts:
         problems += _dense_only_pipeline_ranks(rc, layout)
     problems += check_schedule(rc.scheduler, rc.optimizer, t.steps)

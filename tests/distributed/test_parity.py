@@ -48,6 +48,9 @@ ROWS = [
     # rotary sliced per CP rank, the indexer's at the queries' global positions)
     Row("dense_cp2", 2, ("parallel=cp2",), shape="long", memory_as_planned=False),
     Row("warmup_cp2", 2, ("parallel=cp2",), dsa_mode="warmup", shape="long", memory_as_planned=False),
+    # the warm-up's frozen forward across pipeline stages: each stage's input gets a zero gradient
+    # to send back, the KLs' gradients reach the indexers in every chunk (MTP's last)
+    Row("warmup_pp2_vpp2", 2, ("parallel.pp=2", "parallel.vpp=2"), dsa_mode="warmup"),
     Row("sparse_cp2", 2, ("parallel=cp2",), dsa_mode="sparse", shape="long", memory_as_planned=False),
     Row("packed_yarn_sparse_cp2", 2, ("parallel=cp2",), dsa_mode="sparse", shape="long", extra=PACKED_YARN,
         memory_as_planned=False),

@@ -17,10 +17,10 @@ sequence of ``seq_length`` tokens, divided by the tokens:
   its inputs are detached), top-k scoring of every visible key (sparse), and the KL: the dense
   target (the main heads' ``QK^T``) and the indexer scores with their gradients, which the KL
   computes in its forward (``dsa/kl.py``); every TP rank computes all of it but the target;
-- ``warmup`` trains the indexer only, but each layer's KL reaches the loss through that layer's
-  attention output (``MoEAuxLossAutoScaler``), so the backward still runs the input gradients of
-  every frozen layer after the first layer's attention core (weight gradients only for the router,
-  whose megatron backward always forms them), to deliver the KLs' gradients;
+- ``warmup`` trains the indexer only, on inputs it reads detached: the frozen network runs
+  without autograd (``dsa.modes.indexer_only_forward``), so it has no backward and nothing is
+  recomputed; the backward is the indexer projections' weight gradients (the KL's own
+  gradients are formed in its forward);
 - MTP: ``mtp_num_steps`` applications of one layer (like the last decoder layer) and its
   ``eh_proj``; one output head for the main model and one per MTP step (padded vocabulary).
 
@@ -145,15 +145,15 @@ def _recomputes(m: GLM5Config) -> set:
 class _Layer:
     """One transformer layer's work over a sequence of ``L`` tokens, by part."""
 
-    def __init__(self, m: GLM5Config, L: int, moe: bool, first: bool = False, tp: int = 1,
+    def __init__(self, m: GLM5Config, L: int, moe: bool, tp: int = 1,
                  cp: int = 1):
         self.m, self.L, self.moe, self.tp, self.cp = m, L, moe, tp, cp
         self.mode = m.dsa.mode
         self.warmup = self.mode == "warmup"
         self.trains = not self.warmup  # the main model's weights
-        # warm-up: the first layer's attention inputs need no gradient (nothing before it trains)
-        self.pre_core_dgrad = not (self.warmup and first)
-        self.again = _recomputes(m)
+        # warm-up: the frozen network runs without autograd: no input gradients, no recomputation
+        self.dgrad = self.pre_core_dgrad = not self.warmup
+        self.again = set() if self.warmup else _recomputes(m)
 
     def _again(self, *names) -> bool:
         return "all" in self.again or bool(self.again & set(names))
@@ -174,19 +174,20 @@ class _Layer:
         expanded = self.cp * (read + 1) if self.cp > 1 else read
         w += _linear(2 * expanded * m.kv_lora_rank * n * (m.qk_nope_head_dim + m.v_head_dim),
                      self.trains, self.pre_core_dgrad, up)
-        w += _linear(2 * L * n * m.v_head_dim * m.hidden_size, self.trains, True, self._again())
+        w += _linear(2 * L * n * m.v_head_dim * m.hidden_size, self.trains, self.dgrad, self._again())
         return w
 
     def ffn(self) -> _Work:
         m, L, h = self.m, self.L, self.m.hidden_size
         if not self.moe:
-            return _linear(6 * L * h * m.ffn_hidden_size, self.trains, True, self._again("mlp"))
+            return _linear(6 * L * h * m.ffn_hidden_size, self.trains, self.dgrad, self._again("mlp"))
         moe = self._again("moe")
-        # megatron's router GEMM always forms its weight gradient (RouterGatingLinearFunction)
-        router = _linear(2 * L * h * m.num_experts, True, True, moe)
-        routed = _linear(6 * L * h * m.moe_ffn_hidden_size * m.moe_topk, self.trains, True, moe)
+        # megatron's router GEMM always forms its weight gradient (RouterGatingLinearFunction),
+        # but for the warm-up's frozen forward
+        router = _linear(2 * L * h * m.num_experts, self.dgrad, self.dgrad, moe)
+        routed = _linear(6 * L * h * m.moe_ffn_hidden_size * m.moe_topk, self.trains, self.dgrad, moe)
         shared = _linear(6 * L * h * m.moe_ffn_hidden_size * m.num_shared_experts, self.trains,
-                         True, moe or self._again("shared_experts"))
+                         self.dgrad, moe or self._again("shared_experts"))
         return router + routed + shared
 
     def _dense_core(self, limit: int) -> _Work:
@@ -258,12 +259,13 @@ class _Layer:
 
 def _eh_proj(m: GLM5Config, L: int) -> _Work:
     """MTP's projection of [embedding; hidden] (2h -> h)."""
-    return _linear(2 * L * 2 * m.hidden_size * m.hidden_size, m.dsa.mode != "warmup", True,
-                   m.recompute == "full")
+    trains = m.dsa.mode != "warmup"  # the warm-up's frozen forward: no backward, no recomputation
+    return _linear(2 * L * 2 * m.hidden_size * m.hidden_size, trains, trains, trains and m.recompute == "full")
 
 
 def _output_head(m: GLM5Config, L: int, tp: int) -> _Work:
-    return _linear(2 * L * m.hidden_size * m.padded_vocab_size(tp), m.dsa.mode != "warmup")
+    trains = m.dsa.mode != "warmup"
+    return _linear(2 * L * m.hidden_size * m.padded_vocab_size(tp), trains, trains)
 
 
 @dataclass(frozen=True)
@@ -303,7 +305,7 @@ def _parts(m: GLM5Config, L: int, index: int, tp: int = 1,
            cp: int = 1) -> tuple[_Work, _Work, _Work, _Work]:
     """(linear layers, attention core, indexer KL target, rest of the indexer: one TP rank's
     copy) of decoder layer ``index`` (0-based)."""
-    layer = _Layer(m, L, bool(m.num_experts) and index >= m.first_k_dense, first=index == 0,
+    layer = _Layer(m, L, bool(m.num_experts) and index >= m.first_k_dense,
                    tp=tp, cp=cp)
     return (layer.projections() + layer.ffn(), layer.attention(), *layer.indexer_parts())
 
@@ -322,8 +324,7 @@ def _post_parts(m: GLM5Config, L: int, tp: int = 1,
 
 
 def layer_work(m: GLM5Config, seq_length: int, index: int, tp: int = 1, cp: int = 1) -> WorkPerToken:
-    """Decoder layer ``index`` (0-based: dense for the first ``first_k_dense``, MoE after; the
-    first is cheaper in DSA warm-up)."""
+    """Decoder layer ``index`` (0-based: dense for the first ``first_k_dense``, MoE after)."""
     return _per_token(seq_length, tp, *_parts(m, seq_length, index, tp, cp))
 
 

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import torch
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 
 from model_providers.glm5.model.config import GLM5Config
-from model_providers.glm5.model.dsa.modes import apply_dsa_mode
+from model_providers.glm5.model.dsa.modes import apply_dsa_mode, indexer_only_forward
 from model_providers.glm5.model.mtp import SharedMultiTokenPredictionBlock
 from model_providers.glm5.model.specs import decoder_block_spec, mtp_block_spec
 from parallel import megatron_compat
@@ -29,6 +30,9 @@ class GLM5Model(GPTModel):
     (``parallel.megatron_compat.micro_batch``).
     """
 
+    #: the DSA warm-up: only the indexers train (``dsa.modes.apply_dsa_mode`` sets it)
+    indexer_only: bool = False
+
     def __init__(self, *args, mtp_num_steps: int = 0, **kwargs):
         super().__init__(*args, **kwargs)
         if self.mtp_process:
@@ -45,6 +49,12 @@ class GLM5Model(GPTModel):
         runs: the dense attention plans its document blocks from its host ids, MTP's shifts stay
         inside its documents, the MLA hands the DSA core attention its intermediates through it."""
         micro_batch = _micro_batch_of(attention_mask, micro_batch)
+        if self.indexer_only and self.training and torch.is_grad_enabled():
+            # the DSA warm-up: the frozen network without autograd, the indexers' KLs attached
+            # to the output; a pipeline stage's input gets a zero gradient to send back
+            stage_input = None if self.pre_process else self.decoder.input_tensor
+            return indexer_only_forward(micro_batch, lambda: super(GLM5Model, self).forward(
+                input_ids, position_ids, attention_mask, *args, **kwargs), stage_input)
         with micro_batch.active():
             return super().forward(input_ids, position_ids, attention_mask, *args, **kwargs)
 

@@ -171,6 +171,16 @@ def test_bad_dsa_mode():
     assert "model.dsa.mode='sparce'" in str(e.value)
 
 
+def test_ep_overlap_is_refused_with_the_dsa_warmup():
+    """The warm-up's frozen forward lives in GLM5Model.forward, which megatron's combined 1F1B
+    schedule does not call; the same layout with sparse DSA validates."""
+    ep = ("parallel.ep=2", "parallel.pp=2", "parallel.vpp=2", "precision=bf16", "model.recompute=selective",
+          "parallel.overlap_moe_expert_parallel_comm=true", "model.num_layers=4")
+    e = _invalid(_rc(*ep, "model.dsa.mode=warmup"), 4)
+    assert "parallel.overlap_moe_expert_parallel_comm=true cannot run with model.dsa.mode=warmup" in str(e.value)
+    validate(_rc(*ep, "model.dsa.mode=sparse"), 4)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="fp8 runs where CUDA exists")
 @pytest.mark.parametrize("recipe", ["fp8_delayed", "fp8_blockwise", "mxfp8"])
 def test_fp8_validates_for_planning_and_is_refused_at_launch_without_cuda(recipe):

@@ -93,6 +93,7 @@ CASES = [
     ("dense", None),
     ("sparse", None),
     ("warmup", None),
+    ("warmup", "full"),  # the frozen forward runs without autograd: nothing is recomputed
     ("dense", "full"),
     ("sparse", "selective"),
 ]
@@ -115,7 +116,7 @@ def test_exact_count_equals_flop_counter_on_the_tiny_model(one_rank, mode, recom
     print(f"{mode} recompute={recompute}: measured {measured:.0f}, exact {f.total:.0f} "
           f"+ recompute {f.recompute:.0f}, ratio {measured / expected:.5f}")
     assert measured == pytest.approx(expected, rel=0.02)
-    assert (f.recompute > 0) == (recompute is not None)
+    assert (f.recompute > 0) == (recompute is not None and mode != "warmup")
 
 
 @pytest.mark.parametrize("seq,cp,limit", [(128, 2, 128), (202752, 16, 202752), (202752, 16, 2048),
@@ -167,7 +168,7 @@ def test_parts_add_up_and_modes_differ_as_computed():
     warm = flops_per_token(m, long)
     assert sparse.attention < 0.05 * dense.attention
     assert dense.indexer == 0 and sparse.indexer > 0 and warm.indexer > sparse.indexer
-    assert warm.output_heads == pytest.approx(dense.output_heads * 2 / 3)  # dgrad, no wgrad
+    assert warm.output_heads == pytest.approx(dense.output_heads / 3)  # the frozen forward: no backward
 
 
 def test_megatron_accounting_of_deepseek_v3_is_its_published_number():

@@ -11,6 +11,7 @@ Modes (``model.dsa.mode``):
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, fields
 
 import torch
@@ -185,24 +186,40 @@ class DSACoreAttention(MegatronModule):
                 f"DSACoreAttention (layer {self.layer_number}, model.dsa.mode={mode}) got no "
                 "MLAIntermediates: it runs inside GLM5MLASelfAttention, which hands them over "
                 "through the micro-batch being computed")
-        iq, ik, iw = self._indexer_inputs(mla, layout)
         tp_group = parallel_state.get_tensor_model_parallel_group()
+        # the DSA warm-up's frozen forward (dsa.modes.indexer_only_forward) runs without autograd:
+        # the indexer differentiates its KL here, and the model's output hands the gradients on
+        collected = micro_batch.precomputed_grads() if mode == "warmup" else None
         if mode == "warmup":
             out = self._dense(query, key, value, layout)
-            kl = dense_kl(iq, ik, iw, query, key, self.softmax_scale, self.dsa.query_chunk,
-                          tp_group, layout, use_cpu_kernel(self.dsa.kernels, query))
+            with torch.enable_grad() if collected is not None else contextlib.nullcontext():
+                iq, ik, iw = self._indexer_inputs(mla, layout)
+                kl = dense_kl(iq, ik, iw, query, key, self.softmax_scale, self.dsa.query_chunk,
+                              tp_group, layout, use_cpu_kernel(self.dsa.kernels, query))
+                if collected is not None:
+                    self._indexer_grads_now(self.dsa.kl_coeff * kl / cp_size(), collected)
         else:
+            iq, ik, iw = self._indexer_inputs(mla, layout)
             out, kl = self._sparse(query, key, value, mla, iq, ik, iw, tp_group, layout)
         # kl is this rank's per-query mean; CP ranks hold equally many queries, so the mean over
         # the CP group (the tracker's average) is the sequence mean. megatron scales aux losses
         # by cp before DDP averages gradients over CP: divide by cp to get the mean's gradient.
-        if torch.is_grad_enabled() or not self.training:
+        if torch.is_grad_enabled() or not self.training or collected is not None:
             # full activation recomputation runs a training forward twice: first without grad
-            # (not logged), then again inside backward (logged once here)
+            # (not logged), then again inside backward (logged once here); a frozen forward once
             self._track(kl)
-        if self.training and torch.is_grad_enabled():
+        if collected is None and self.training and torch.is_grad_enabled():
             out = MoEAuxLossAutoScaler.apply(out, self.dsa.kl_coeff * kl / cp_size())
         return out
+
+    def _indexer_grads_now(self, loss, collected: dict) -> None:
+        """The indexer's parameter gradients of ``loss`` (its KL, built from detached inputs: the
+        backward ends at the indexer), added to ``collected``: what the frozen forward keeps of
+        this layer is their size (the KL's gradients and the projections' inputs are freed)."""
+        params = [p for p in self.indexer.parameters() if p.requires_grad]
+        for param, grad in zip(params, torch.autograd.grad(loss, params, allow_unused=True)):
+            if grad is not None:
+                collected[param] = grad if param not in collected else collected[param] + grad
 
     def _dense(self, query, key, value, layout: TokenLayout):
         return dense_attention(query, key, value, layout, self.softmax_scale)
