@@ -213,8 +213,10 @@ def _attention(d: _Dims, m, drop) -> int:
             out += d.q * d.a * n * (nope + rope + v)  # key, value
     if cp:  # the gathered latent and the whole sequence's key and value (sparse: the prefix's)
         out += d.k * d.a * c
-        if m.dsa.mode != "sparse" or d.prefix:
+        if m.dsa.mode != "sparse":
             out += d.k * d.a * n * (nope + rope + v)
+        elif d.prefix:  # the dense prefix's rows only: the later queries read the latent
+            out += d.b * min(m.dsa.topk, d.k // d.b) * d.a * n * (nope + rope + v)
     out += d.q * d.a * n * v
     return out + (0 if "core_attn" in drop else _core_internals(d, m))
 

@@ -132,3 +132,62 @@ def test_core_attention_takes_the_intermediates_once(one_rank):
         core(q, k, v)  # outside any micro-batch
     with pytest.raises(RuntimeError, match=r"GLM5MLASelfAttention \(layer 1\) runs inside a micro-batch"):
         layer(torch.randn(40, 1, 64), attention_mask=None)
+
+
+def test_sparse_under_context_parallelism_makes_no_full_length_per_head_key(one_rank, monkeypatch):
+    """Under CP the MLA rebuilds keys from the all-gathered latent; sparse mode reads per-head
+    keys and values only for its dense prefix (the later queries read the latent), so none of
+    [L, b, n, d] is made, forward or backward (it used to be: zero-filled past the prefix, and a
+    zero-filled key gradient). CP2 is emulated on one rank: the gathers append a second rank's
+    fixed half. The output and gradients equal those of the same layer given the full key."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    import model_providers.glm5.model.dsa.attention as attention
+
+    other = {}
+
+    def gather(t):  # this rank's half, then the other rank's (fixed, no gradient)
+        half = other.setdefault(tuple(t.shape), torch.randn(t.shape, generator=torch.Generator().manual_seed(len(other))))
+        return torch.cat([t, half.to(t.dtype)], dim=0)
+
+    monkeypatch.setattr(attention, "cp_size", lambda: 2)
+    monkeypatch.setattr(attention, "gather_sequence", gather)
+    torch.manual_seed(5)
+    layer = sparse_layer("sparse", topk=8)
+    s, heads = 30, 4
+
+    class Shapes(TorchDispatchMode):
+        full: list = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(t, torch.Tensor) and t.dim() == 4 and t.shape[0] == 2 * s and t.shape[2] == heads:
+                    self.full.append((func.__name__, tuple(t.shape)))
+            return out
+
+    x = torch.randn(s, 1, 64, requires_grad=True)
+    with Shapes(), MicroBatch().active():
+        out, _ = layer(x, attention_mask=None)
+        out.square().sum().backward()
+    assert Shapes.full == [], Shapes.full[:5]
+    got = [out.detach(), x.grad] + [p.grad.clone() for p in layer.parameters()]
+
+    # the same layer given the whole per-head key and value (the former path, read by _KeyReads)
+    def full_key_value(self, key_local, kv_latent):
+        key, value, c_full, k_rope = original(self, key_local, kv_latent)
+        kv = torch.nn.functional.linear(c_full, self.linear_kv_up_proj.weight).view(*c_full.shape[:2], heads, -1)
+        k_nope, value = kv.split([self.config.qk_head_dim, self.config.v_head_dim], dim=-1)
+        key = torch.cat([k_nope, k_rope[:, :, None].expand(-1, -1, heads, -1)], dim=-1)
+        return key, value, c_full, None
+
+    original = attention.GLM5MLASelfAttention._gathered_key_value
+    monkeypatch.setattr(attention.GLM5MLASelfAttention, "_gathered_key_value", full_key_value)
+    layer.zero_grad(set_to_none=True)
+    x2 = x.detach().clone().requires_grad_()
+    with MicroBatch().active():
+        out2, _ = layer(x2, attention_mask=None)
+        out2.square().sum().backward()
+    want = [out2.detach(), x2.grad] + [p.grad for p in layer.parameters()]
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

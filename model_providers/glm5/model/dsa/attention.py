@@ -29,7 +29,6 @@ from model_providers.glm5.model.dsa.kernels.dsa_cpu import cpu_kernel, fits_cpu_
 from model_providers.glm5.model.dsa.kl import dense_kl, sparse_kl
 from model_providers.glm5.model.dsa.visibility import TokenLayout
 from model_providers.glm5.model.dsa.sparse_attention import all_visible, sparse_latent_attention
-from model_providers.glm5.model.kv_up_projection import zero_padded
 from parallel.context_parallel import cp_size, gather_sequence, local_positions
 from parallel.megatron_compat import micro_batch
 from parallel.device import on_gpu
@@ -49,6 +48,9 @@ class MLAIntermediates:
     kv_latent: torch.Tensor  #: [s, b, kv_lora_rank] after kv_a_layernorm
     kv_up_weight: torch.Tensor  #: [n * (qk_head_dim + v_head_dim), kv_lora_rank], this TP rank's n heads
     kv_full: torch.Tensor | None  #: [L, b, kv_lora_rank] the CP-gathered kv latent; None without CP
+    #: [L, b, qk_rope] every key's rotary part, CP-gathered, where the per-head key holds only the
+    #: sparse mode's dense prefix (sparse under CP); else None (the key holds every row)
+    k_rope_full: torch.Tensor | None = None
 
     def tensors(self) -> tuple:
         """The fields in order (as checkpoint inputs: autograd saves tensors, not this object;
@@ -75,11 +77,11 @@ class GLM5MLASelfAttention(MLASelfAttention):
             self.linear_kv_up_proj.rows = 1 if cp_size() > 1 else self._keys_read(hidden_states.shape[0])
         query, key, value, q_latent, kv_latent = super().get_query_key_value_tensors(
             hidden_states, *args, **kwargs)
-        kv_full = None
+        kv_full = k_rope_full = None
         if cp_size() > 1:
-            key, value, kv_full = self._gathered_key_value(key, kv_latent)
+            key, value, kv_full, k_rope_full = self._gathered_key_value(key, kv_latent)
         active.hand_over(self.core_attention, MLAIntermediates(
-            hidden_states, q_latent, kv_latent, self.linear_kv_up_proj.weight, kv_full))
+            hidden_states, q_latent, kv_latent, self.linear_kv_up_proj.weight, kv_full, k_rope_full))
         return query, key, value, q_latent, kv_latent
 
     def _keys_read(self, length: int) -> int | None:
@@ -89,21 +91,22 @@ class GLM5MLASelfAttention(MLASelfAttention):
         return min(dsa.topk, length) if dsa.mode == "sparse" else None
 
     def _gathered_key_value(self, key_local, kv_latent):
-        """Full-sequence key [L, b, n, qk] and value [L, b, n, v] for this rank's heads from the
-        CP-gathered kv latent [L, b, kv_lora_rank] and rope key (the gathered state per token
-        is kv_lora_rank + qk_rope values, not n * (qk + v)); in sparse mode the nope keys and
-        values past the dense prefix are zeros (never read)."""
+        """``(key, value, c_full, k_rope_full)`` from the CP-gathered kv latent c_full [L, b,
+        kv_lora_rank] and rope key (the gathered state per token is kv_lora_rank + qk_rope
+        values, not n * (qk + v)): key [R, b, n, qk] and value [R, b, n, v] for this rank's
+        heads and the R rows the core attention reads -- every row (R = L), or in sparse mode
+        the dense prefix's (R = top-k), whose later queries read the latent and ``k_rope_full``
+        [L, b, rope] (None when R = L): no full-length per-head key, value or gradient."""
         cfg = self.config
         nope = cfg.qk_head_dim
         c_full = gather_sequence(_full_sequence(kv_latent, cfg.sequence_parallel))
         k_rope = gather_sequence(key_local[:, :, 0, nope:])  # [L, b, rope]
         n = key_local.shape[2]
-        rows = self._keys_read(c_full.shape[0])
-        kv = zero_padded(F.linear(c_full[:rows], self.linear_kv_up_proj.weight), c_full.shape[0])
-        kv = kv.view(*c_full.shape[:2], n, -1)
+        rows = self._keys_read(c_full.shape[0]) or c_full.shape[0]
+        kv = F.linear(c_full[:rows], self.linear_kv_up_proj.weight).view(rows, c_full.shape[1], n, -1)
         k_nope, value = kv.split([nope, cfg.v_head_dim], dim=-1)
-        key = torch.cat([k_nope, k_rope[:, :, None].expand(-1, -1, n, -1)], dim=-1)
-        return key.contiguous(), value.contiguous(), c_full
+        key = torch.cat([k_nope, k_rope[:rows, :, None].expand(-1, -1, n, -1)], dim=-1)
+        return key.contiguous(), value.contiguous(), c_full, (k_rope if rows < c_full.shape[0] else None)
 
 
 def use_triton_kernels(kernels: str, query: torch.Tensor) -> bool:
@@ -176,8 +179,9 @@ class DSACoreAttention(MegatronModule):
                                       "not megatron's THD packed_seq_params")
         mla = micro_batch.take(self)  # GLM5MLASelfAttention's, for this call
         s = query.shape[0]
-        layout = TokenLayout.build(s, key.shape[0], _document_ids(attention_mask),
-                                   local_positions(s), query.device)
+        keys = key.shape[0] if mla is None or mla.k_rope_full is None else mla.k_rope_full.shape[0]
+        layout = TokenLayout.build(s, keys, _document_ids(attention_mask), local_positions(s),
+                                   query.device)
         mode = self.dsa.mode
         if mode in ("dense", "none"):
             return self._dense(query, key, value, layout)
@@ -246,12 +250,14 @@ class DSACoreAttention(MegatronModule):
         of rows. Both KL forms agree on the prefix (the selected set is every visible key)."""
         s = query.shape[0]
         topk, chunk = self.dsa.topk, self.dsa.query_chunk
-        kp = min(topk, key.shape[0])
+        kp = min(topk, layout.key_len)
         prefix = layout.rows_before(topk)
-        # one split and one read of the key (their backwards build each full-size gradient once;
-        # a slice per use builds a zero-filled one each, summed after)
         q_head, q_rest = query.split([prefix, s - prefix])
-        k_head, k_rope = _KeyReads.apply(key, kp, self.config.qk_head_dim)
+        if mla.k_rope_full is not None:  # under CP the MLA built the prefix's per-head keys only
+            k_head, k_rope = key, mla.k_rope_full
+        else:  # one split and one read of the key (their backwards build its gradient once; a
+            # slice per use builds a zero-filled one each, summed after)
+            k_head, k_rope = _KeyReads.apply(key, kp, self.config.qk_head_dim)
         outs, kl = [], iq.new_zeros((), dtype=torch.float32)
         if prefix:
             head = layout.rows(0, prefix, kp)
