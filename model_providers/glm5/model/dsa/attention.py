@@ -226,7 +226,8 @@ class DSACoreAttention(MegatronModule):
                 collected[param] = grad if param not in collected else collected[param] + grad
 
     def _dense(self, query, key, value, layout: TokenLayout):
-        return dense_attention(query, key, value, layout, self.softmax_scale)
+        return dense_attention(query, key, value, layout, self.softmax_scale,
+                               triton=use_triton_kernels(self.dsa.kernels, query))
 
     def _indexer_inputs(self, mla: MLAIntermediates, layout: TokenLayout):
         """Indexer projections from detached inputs: q [b,s,H,d] and w [b,s,H] for this rank's

@@ -10,6 +10,10 @@ is SDPA's ``is_causal`` square; the others get a block-local [rows, keys] mask (
 the bottom right). The blocks run under one autograd function that saves only its inputs and
 recomputes each block in backward, so neither masks nor per-block copies outlive the forward.
 
+On GPUs the same rule runs as one fused flash-attention kernel instead (``triton=True``:
+:mod:`.kernels.document_attention_triton`, no Python loop, no mask, no host sync); the blocks
+are the CPU's path and the kernel's reference.
+
 Where documents split differently per sample, each sample gets its own blocks. Key ranges need
 the document boundaries on the host: the micro-batch being computed holds them
 (``megatron_compat.micro_batch.MicroBatch.host_document_ids``: the data loader's host copy in
@@ -26,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
+from model_providers.glm5.model.dsa.kernels.document_attention_triton import document_attention_triton
 from model_providers.glm5.model.dsa.visibility import TokenLayout
 from parallel.megatron_compat import micro_batch
 
@@ -47,14 +52,17 @@ class Block:
 
 
 def dense_attention(query_sbnd, key_sbnd, value_sbnd, layout: TokenLayout, scale: float,
-                    block_rows: int = BLOCK_ROWS) -> torch.Tensor:
+                    block_rows: int = BLOCK_ROWS, triton: bool = False) -> torch.Tensor:
     """query [s, b, n, qk] at ``layout.q_pos``, key [L, b, n, qk], value [L, b, n, v] ->
-    [s, b, n * v]: each query attends to the keys at or before its position in its document."""
+    [s, b, n * v]: each query attends to the keys at or before its position in its document.
+    ``triton``: packed documents and CP through the fused kernel (GPUs)."""
     s, b, n, _ = query_sbnd.shape
     if layout.plain_causal:
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query_sbnd, key_sbnd, value_sbnd))
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
         return out.permute(2, 0, 1, 3).reshape(s, b, -1)
+    if triton:
+        return document_attention_triton(query_sbnd, key_sbnd, value_sbnd, layout, scale)
     blocks = block_plan(layout, b, block_rows)
     out = _BlockedAttention.apply(query_sbnd, key_sbnd, value_sbnd, layout, blocks, scale)
     return out.view(s, b, -1)
