@@ -19,27 +19,56 @@ and write dq directly. The heads' q and dO rows are stacked, X = [q; dO], so one
 [S; dP] = X kv^T and one gives the kv gradient's two terms, dkv^T = X^T [dS; P]; dq is
 accumulated transposed (dq^T = kv^T dS^T). Every large GEMM thus has M >= 128, which keeps
 Triton's Hopper layouts consistent along each accumulation chain (compiled for sm_90a without
-a GPU: see FWD_CONFIG). dkv is accumulated deterministically: each program writes its per-(query, key) contributions [D] fp32 to a
-partial buffer, at rows placed by a stable sort of the (key, query) pairs; a second kernel walks
-each key's run of rows in that fixed (query) order and adds it to an fp32 [b, L, D] accumulator
+a GPU: see FWD_CONFIG). dkv is accumulated deterministically: each program writes its
+per-(query, key) contributions [D] fp32 to a partial buffer, at rows placed by a stable sort of
+the pairs by key (pairs numbered batch, query, head group, slot); a second kernel walks each key's
+run of rows in that fixed (query, head group) order and adds it to an fp32 [b, L, D] accumulator
 (one program per key run: no atomics). Queries are processed in chunks whose partials fit
-``PARTIAL_BUDGET`` bytes; chunks run in order, so every key's sum is taken in query order.
+``PARTIAL_BUDGET`` (1 GiB; :func:`backward_chunk_plan`); chunks run in order, so every key's sum
+is taken in the same order whatever the chunk size: dq and dkv are bitwise the same for any
+budget. GLM-5 (64 heads, 576 dims, k = 2048, one head group): 4.7 MB of partials per query,
+227 queries per chunk, 145 chunks at 32K queries (plus 32 bytes of sort/index per pair row,
+1.4% of the partials). The former 4 GiB budget gave 36 chunks; each chunk adds a sort of its
+pairs and two launches (not yet timed on a GPU: ``make gpu-check`` times the backward at 32K).
 
 Precision: scores, softmax statistics, delta and every GEMM accumulate in fp32; fp32 inputs use
 IEEE fp32 dots (no TF32). With bf16/fp16 inputs the products q.k and dO.v are exact, but P and
 dS are fp32 and must enter tensor-core GEMMs in the input dtype, and delta = rowsum(dO * O)
-taken from the saved 16-bit O errs by O's rounding. By default (``precise``) P and dS are split
-into hi + lo parts in the input dtype (two GEMMs each: P.V forward; dS.K, dS^T.Q, P^T.dO
-backward; ~16 bits kept) and the backward first sweeps the keys once for delta = sum_j P_j dP_j,
-so o, dq and dkv are fp32 math rounded once (~1.7e-3 relative for bf16, as the torch
-reference). ``precise=False`` rounds P and dS once and takes delta from O, as flash attention
-does: half the backward GEMM work and 3/4 of the forward's, ~2.4e-3 relative for bf16.
+taken from the saved 16-bit O errs by O's rounding. Two modes:
+
+* ``precise=False`` (the default, :data:`PRECISE`) rounds P and dS once to the input dtype and
+  takes delta from O, as flash attention does;
+* ``precise=True`` splits P and dS into hi + lo parts in the input dtype (two GEMMs each: P.V
+  forward; dS.K, dS^T.Q, P^T.dO backward; ~16 bits kept) and first sweeps the keys once more for
+  delta = sum_j P_j dP_j: o, dq and dkv are fp32 math rounded once, at twice fast's backward
+  GEMM work and 4/3 of its forward's.
+
+The rule that picks the default: the bf16 floor of an output is the norm-relative error of the
+exact (fp64) result rounded once to bf16; fast is the default iff its error is within
+``FAST_MAX_ERROR_RATIO`` (1.5) x the floor for each of o, dq and dkv. Measured in the Triton
+interpreter (GPU rounding; ``tests/unit/model/test_dsa_triton_kernels.py``, case "glm5
+precision": 64 heads, 512 + 64, bf16, 16 queries of an 80-key sequence, k = 48, one key selected
+by every query), error / floor:
+
+    ======= ======= ========== ===========  (floor ~1.66e-3 for each output)
+    output  precise fast       fast / floor
+    ======= ======= ========== ===========
+    o       1.66e-3 2.05e-3    1.24
+    dq      1.66e-3 2.38e-3    1.44
+    dkv     1.66e-3 2.38e-3    1.43
+    ======= ======= ========== ===========
+
+(key 0's dkv row alone: 1.42; other seeds and k = 128: 1.23-1.26 / 1.40-1.45 / 1.41-1.43).
+Fast is within 1.5x everywhere, so it is the default; the test fails if a change of kernels or
+of the default contradicts the rule. ``precise=True`` stays for checks that want the floor.
+These are the interpreter's numbers with the GPU's bf16 rounding emulated; ``make gpu-check``
+records both modes' errors and the floor on the GPU at GLM-5 shapes (k = 2048).
 
 Runs on CUDA tensors, or on CPU tensors when TRITON_INTERPRET=1 was set before this module was
 first imported (the Triton interpreter). triton 3.9's interpreter gets bf16 wrong (``tl.dot``
 multiplies the raw bit patterns, fp32 -> bf16 casts truncate; triton-lang/triton#11584): bf16
-in the interpreter needs
-``tests/unit/test_dsa_triton_kernels._interpreter_bf16_as_on_gpu()`` first; fp32 needs nothing.
+in the interpreter needs ``tests.support.triton_interpreter.bf16_as_on_gpu()`` first; fp32
+needs nothing.
 """
 
 from __future__ import annotations
@@ -52,9 +81,10 @@ if HAVE_TRITON:
     import triton
     import triton.language as tl
 
-PRECISE = True  #: 16-bit inputs: P and dS enter their GEMMs as hi + lo parts (fp32-like results)
+PRECISE = False  #: 16-bit inputs: P and dS rounded once for their GEMMs (True: hi + lo parts)
+FAST_MAX_ERROR_RATIO = 1.5  #: fast is the default iff its bf16 error <= this x the bf16 floor
 HEAD_GROUP = 64  #: heads per program at most (the GEMM M dim); more heads use several programs
-PARTIAL_BUDGET = 4 * 2**30  #: bytes of fp32 dkv partials per backward chunk (GLM-5: ~900 queries)
+PARTIAL_BUDGET = 2**30  #: bytes of fp32 dkv partials per backward chunk at most (GLM-5: 227 queries)
 # GLM-5 shapes (64 heads, 512 + 64) compiled for sm_90a: forward 108 KiB shared memory, backward
 # 170 KiB (196 KiB with block_n=32; 64 exceeds the 227 KiB an H100/H200 block may use)
 FWD_CONFIG = dict(block_n=32, num_warps=8, num_stages=2)
@@ -164,14 +194,15 @@ if HAVE_TRITON:
         BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr, SPLIT: tl.constexpr,
     ):
         # Query t = T0 + program_id(0) of the chunk [T0, T0 + C). Its partial rows are numbered
-        # ((g * B + b) * C + t - T0) * K + slot and stored at part[dest[that]].
+        # ((b * C + t - T0) * G + g) * K + slot and stored at part[dest[that]]: query-major, so a
+        # key's rows are summed in the same order whatever the chunk size.
         # The heads' q and dO rows are stacked, X = [q; dO] [2 BLOCK_H, DV] (and [q_rope; 0]), so
         # that one GEMM gives [S; dP] = X kv^T and one gives dkv^T = X^T [dS; P]; dq is
         # accumulated transposed, dq^T = kv^T dS^T: every GEMM has M >= 128.
         tc = tl.program_id(0).to(tl.int64)
         g = tl.program_id(1)
         b = tl.program_id(2).to(tl.int64)
-        B = tl.num_programs(2)
+        G = tl.num_programs(1)
         D: tl.constexpr = DV + DR
         offs_h = g * HEADS + tl.arange(0, BLOCK_H)
         h_ok = (tl.arange(0, BLOCK_H) < HEADS) & (offs_h < NH)
@@ -214,7 +245,7 @@ if HAVE_TRITON:
             hv_mask = h_ok[:, None] & dv_ok[None, :]
             o = tl.load(o_ptr + o_rows, mask=hv_mask, other=0.0).to(tl.float32)
             delta = tl.sum(tl.load(do_ptr + o_rows, mask=hv_mask, other=0.0).to(tl.float32) * o, 1)
-        dest_r = dest_ptr + ((g * B + b) * C + tc) * K
+        dest_r = dest_ptr + ((b * C + tc) * G + g) * K
 
         dq_t = tl.zeros([BLOCK_DV, BLOCK_H], tl.float32)
         dqr_t = tl.zeros([BLOCK_DR, BLOCK_H], tl.float32)
@@ -332,8 +363,16 @@ def sparse_mla_forward(q, kv, idx, valid, scale: float, dv: int, *, precise: boo
     return o, lse, hp[0] if groups == 1 else hp.sum(0)
 
 
-def _chunk_queries(s: int, rows_per_query: int, dim: int, budget: int) -> int:
-    return max(1, min(s, budget // max(1, rows_per_query * dim * 4)))
+def backward_chunk_plan(b: int, s: int, n: int, dim: int, k: int, *, heads_per_program: int = HEAD_GROUP,
+                        partial_budget: int = PARTIAL_BUDGET, chunk: int | None = None) -> tuple[int, int]:
+    """(queries per backward chunk, bytes of its fp32 dkv partial buffer) for q [b, s, n, dim]
+    and k selected keys: as many queries as ``partial_budget`` allows (at least one; ``chunk``
+    overrides). Each (query, head group, batch) program writes k rows of dim fp32."""
+    groups = -(-n // min(n, heads_per_program)) if n else 1
+    per_query = groups * b * k * dim * 4
+    c = chunk or partial_budget // max(1, per_query)
+    c = max(1, min(c, s))
+    return c, c * per_query
 
 
 def sparse_mla_backward(q, kv, idx, valid, o, lse, grad_o, scale: float, dv: int, *,
@@ -341,8 +380,9 @@ def sparse_mla_backward(q, kv, idx, valid, o, lse, grad_o, scale: float, dv: int
                         chunk: int | None = None, partial_budget: int = PARTIAL_BUDGET,
                         block_n: int | None = None, num_warps: int | None = None,
                         num_stages: int | None = None):
-    """(dq in q's dtype, dkv in kv's dtype), bitwise reproducible. ``chunk``: queries per
-    partial-buffer pass (default: as many as ``partial_budget`` bytes of fp32 partials allow);
+    """(dq in q's dtype, dkv in kv's dtype), bitwise reproducible and bitwise independent of
+    the chunking. ``chunk``: queries per partial-buffer pass (default: as many as
+    ``partial_budget`` bytes of fp32 partials allow, :func:`backward_chunk_plan`);
     block_n / num_warps / num_stages override BWD_CONFIG."""
     _check(q, kv, idx, valid, dv)
     q, kv, o, lse = q.contiguous(), kv.contiguous(), o.contiguous(), lse.contiguous()
@@ -356,8 +396,8 @@ def sparse_mla_backward(q, kv, idx, valid, o, lse, grad_o, scale: float, dv: int
     dkv = torch.zeros(b, L, dim, dtype=torch.float32, device=q.device)
     if not (b and s and n and k):
         return dq.zero_(), dkv.to(kv.dtype)
-    c = chunk or _chunk_queries(s, groups * b * k, dim, partial_budget)
-    c = min(c, s)
+    c, _ = backward_chunk_plan(b, s, n, dim, k, heads_per_program=heads_per_program,
+                               partial_budget=partial_budget, chunk=chunk)
     part = q.new_empty(groups * b * c * k, dim, dtype=torch.float32)
     sentinel = b * L
     base = (torch.arange(b, device=q.device) * L)[:, None, None]
@@ -366,7 +406,7 @@ def sparse_mla_backward(q, kv, idx, valid, o, lse, grad_o, scale: float, dv: int
         cc = min(c, s - t0)
         rows = groups * b * cc * k
         keys = torch.where(valid[:, t0:t0 + cc], idx[:, t0:t0 + cc] + base, sentinel)
-        keys = keys.reshape(1, -1).expand(groups, -1).reshape(-1)  # pair rows (g, b, t, slot)
+        keys = keys[:, :, None].expand(b, cc, groups, k).reshape(-1)  # pair rows (b, t, g, slot)
         keys_sorted, order = torch.sort(keys, stable=True)
         dest = torch.empty_like(order).scatter_(0, order, torch.arange(rows, device=q.device))
         _sparse_mla_bwd_kernel[(cc, groups, b)](
@@ -403,6 +443,7 @@ class SparseMLATriton(torch.autograd.Function):
 def sparse_mla_triton(q, kv, idx, valid, scale: float, dv: int, *, precise: bool = PRECISE):
     """(o [b, s, n, dv] in q's dtype, head_probs [b, s, k] fp32), differentiable in q and kv;
     the Triton counterpart of ``sparse_latent_attention`` (see the module docstring).
-    ``precise=False`` rounds P and dS to the input dtype for their GEMMs (flash attention's
-    choice: fewer GEMMs, ~1.4x the bf16 error of fp32 math rounded once)."""
+    By default (``precise=False``) P and dS are rounded to the input dtype for their GEMMs
+    (flash attention's choice: ~1.45x the bf16 error of exact math rounded once, at most);
+    ``precise=True`` splits them into hi + lo parts (the floor itself, twice the backward GEMMs)."""
     return SparseMLATriton.apply(q, kv, idx, valid, scale, dv, precise)
