@@ -315,7 +315,7 @@ class DSACoreAttention(MegatronModule):
         out = torch.bmm(o_heads, w_uv.transpose(1, 2)).view(n, b, rows, dv)
         out = out.permute(2, 1, 0, 3).reshape(rows, b, n * dv)
         kl = sparse_kl(iq[:, first:], ik, iw[:, first:], idx, valid, head_probs,
-                       self.dsa.query_chunk, tp_group, fused)
+                       self.dsa.query_chunk, tp_group, fused, triton)
         return out, kl
 
     def _track(self, kl: torch.Tensor) -> None:

@@ -9,15 +9,87 @@ computed in the forward, one query chunk at a time, while each chunk's scores ar
 (d logits = softmax(I) - target), and the backward only scales them: nothing of size
 O(s * keys) is kept or recomputed, memory is O(chunk * L) (dense) or O(chunk * k) (sparse).
 Dense chunks see only the keys their last query can see (no scores for future keys).
+
+On GPUs the sparse form is one Triton kernel launch per chunk of ~1000 queries
+(:func:`~.kernels.indexer_kl_triton.sparse_kl_triton`, ``triton=True``) instead of a Python loop
+over chunks of ~10 queries, and the dense form's GEMMs run on TF32 tensor cores with fp32
+accumulation (:func:`tensor_core_operand` says why TF32 and what it costs).
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 
 from model_providers.glm5.model.dsa.indexer import causal_mask
 from model_providers.glm5.model.dsa.kernels.dsa_cpu import cpu_kernel
+from model_providers.glm5.model.dsa.kernels.indexer_kl_triton import sparse_kl_triton
 from model_providers.glm5.model.dsa.sparse_attention import all_visible, rows_per_chunk, scatter_add_rows
+
+
+def tensor_core_operand(x: torch.Tensor, truncate: bool = False) -> torch.Tensor:
+    """The values a TF32 tensor-core GEMM multiplies for fp32 ``x`` (fp32 storage): the mantissa
+    cut to TF32's 10 explicit bits, rounded to nearest even (``truncate``: the low 13 bits
+    dropped, the worse of the two ways hardware may read fp32 operands). The dense KL's GEMMs on
+    CUDA run in TF32 with fp32 accumulation and fp32 outputs; on other devices ``dense_kl(...,
+    tensor_cores=True)`` rounds its GEMM operands with this first, so CPU tests measure the same
+    arithmetic up to summation order.
+
+    Why TF32 rather than bf16 operands with fp32 outputs (``torch.bmm(..., out_dtype=float32)``):
+    the model's q and k are bf16 values, exact in TF32 as in bf16, so the score GEMMs (the
+    target's and the indexer's) multiply exactly either way; the gradient GEMMs multiply an fp32
+    operand, d per_head, which TF32 rounds to 2^-11 relative and bf16 to 2^-8 (8x the error in
+    dq and dk); TF32 needs no bf16 copies of the fp32 buffers the path already keeps, and no
+    CUDA-only op (``bmm.dtype`` has no CPU kernel), so the same code runs, and is measured, on
+    the CPU. It costs half bf16's tensor-core rate, still ~7x the fp32 CUDA cores' on an
+    H100/H200, and the dense KL's passes over its scores are memory-bound besides.
+    Measured against the fp32 GEMMs (``tests/unit/model/test_dsa_kl_triton.py``, 512 queries,
+    8 heads x 256, GLM-5's indexer 32 x 128): bf16-valued inputs (the model's) keep the value and
+    dw exactly (on a GPU up to the GEMMs' summation order) and err by 2e-4 relative in dq and dk
+    (4e-4 if the hardware truncates instead of rounding), an order below the bf16 rounding
+    (2^-8) the gradients get on their way to the bf16 parameters. fp32-valued
+    inputs lose ~1e-5 in the value, ~4e-4 in dw and ~1e-2 in dq and dk (ReLU masks flip where a
+    rounded score crosses 0)."""
+    bits = x.float().contiguous().view(torch.int32)
+    if not truncate:  # round half to even on the 13 bits that go (carries may reach the exponent)
+        bits = bits + (0xFFF + ((bits >> 13) & 1))
+    return (bits & ~0x1FFF).view(torch.float32)
+
+
+@contextlib.contextmanager
+def _tf32_matmuls():
+    """fp32 matmuls on CUDA inside run on TF32 tensor cores; the previous setting comes back
+    after. The per-backend attribute is saved and restored as it was, so code that reads or sets
+    the legacy ``allow_tf32`` flag sees what it saw before (torch refuses to read a mix of the
+    legacy and new APIs)."""
+    matmul = torch.backends.cuda.matmul
+    before = matmul.fp32_precision
+    matmul.fp32_precision = "tf32"
+    try:
+        yield
+    finally:
+        matmul.fp32_precision = before
+
+
+class _Gemms:
+    """How the dense KL runs its four large GEMMs (the target's scores, the indexer's per-head
+    scores, dq, dk): IEEE fp32, or with ``tensor_cores`` TF32 operands and fp32 accumulation, on
+    CUDA by enabling TF32 around each of them (only them: the head sums in ``_kl_and_grads``
+    stay fp32), elsewhere by rounding their operands with :func:`tensor_core_operand` first."""
+
+    def __init__(self, tensor_cores: bool, device: torch.device):
+        self.on_tensor_cores = tensor_cores and device.type == "cuda"
+        self.rounded = tensor_cores and not self.on_tensor_cores
+
+    def operand(self, x: torch.Tensor) -> torch.Tensor:
+        return tensor_core_operand(x) if self.rounded else x
+
+    def scope(self):
+        return _tf32_matmuls() if self.on_tensor_cores else contextlib.nullcontext()
+
+
+_FP32_GEMMS = _Gemms(False, torch.device("cpu"))
 
 
 def _kl_and_grads(per_head, w, target, hidden, want_grads: bool):
@@ -73,7 +145,8 @@ def _grad_buffers(q, k, w, want: bool):
 
 @torch.no_grad()
 def dense_attention_target(query_sbnd, key_bnld, scale: float, lo: int, hi: int, hidden,
-                           tp_group=None, buffer=None, first_hidden: int = 0, fused: bool = False):
+                           tp_group=None, buffer=None, first_hidden: int = 0, fused: bool = False,
+                           gemms: _Gemms = _FP32_GEMMS):
     """Head-summed, normalised attention probabilities of query rows lo..hi-1 over the keys
     of ``key_bnld`` ([b, n, keys, D] fp32) with ``hidden`` [b or 1, c, keys] masked: [b, c, keys].
     ``buffer``: fp32 storage of at least b * n * c * keys elements for the scores (reused).
@@ -81,12 +154,18 @@ def dense_attention_target(query_sbnd, key_bnld, scale: float, lo: int, hi: int,
     mask of a chunk without documents hides only keys after its first row), so the mask is
     applied from there on (the scores are n * c * keys elements, out of cache at long context:
     a pass over them costs as much as a quarter of their GEMM). ``fused``: the CPU kernel does
-    everything after the GEMM in one pass, a row at a time."""
-    q = query_sbnd[lo:hi].permute(1, 2, 0, 3).float().mul(scale)  # [b, n, c, D]
-    b, n, c = q.shape[:3]
+    everything after the GEMM in one pass, a row at a time. ``gemms``: the GEMM's precision
+    (``key_bnld`` comes as the caller's ``gemms.operand`` left it), see ``dense_kl``."""
+    q = gemms.operand(query_sbnd[lo:hi].permute(1, 2, 0, 3).float())  # [b, n, c, D]
+    b, n, c, dim = q.shape
     shape = (b, n, c, key_bnld.shape[2])
-    out = None if buffer is None else buffer[:b * n * c * shape[3]].view(shape)
-    scores = torch.matmul(q, key_bnld.transpose(-1, -2), out=out)
+    scores = q.new_empty(shape) if buffer is None else buffer[:b * n * c * shape[3]].view(shape)
+    # the scale is the GEMM's alpha, applied to its fp32 result: bf16 queries stay exact for
+    # tensor cores, and no scaled copy of q (beta = 0: the buffer's contents are not read)
+    with gemms.scope():
+        scores.view(b * n, c, shape[3]).baddbmm_(q.reshape(b * n, c, dim),
+                                                 key_bnld.reshape(b * n, shape[3], dim).transpose(1, 2),
+                                                 beta=0.0, alpha=scale)
     if fused:
         return _normalised(cpu_kernel().attention_target(scores, hidden, first_hidden), tp_group)
     if first_hidden < shape[3]:
@@ -106,18 +185,24 @@ def _normalised(probs, tp_group):
 
 
 def dense_kl(iq, ik, iw, query_sbnd, key_sbnd, scale: float, chunk: int, tp_group=None,
-             layout=None, fused: bool = False):
+             layout=None, fused: bool = False, tensor_cores: bool | None = None):
     """Mean over the queries of ``iq`` of the dense-form KL over the keys each query sees (per
     ``layout``: :class:`~.layout.TokenLayout`; None = causal, positions = row numbers).
     iq/ik/iw: indexer projections (gradients reach them only). The logits are fp32; the
     quantised indexer dtypes serve selection. ``fused``: the fused CPU kernel does the
     elementwise work between the GEMMs (the caller checked it is built and the tensors are on
-    the CPU)."""
+    the CPU). ``tensor_cores`` (default: on CUDA with 16-bit attention inputs, whose values TF32
+    holds exactly; fp32 training keeps fp32 GEMMs): the four large GEMMs take TF32 operands and
+    accumulate in fp32, on CUDA's tensor cores or, elsewhere, on operands rounded by
+    :func:`tensor_core_operand` first (what the tests measure); False keeps IEEE fp32 GEMMs."""
     b, s, heads, d = iq.shape
+    if tensor_cores is None:
+        tensor_cores = iq.is_cuda and query_sbnd.element_size() < 4
+    gemms = _Gemms(tensor_cores, iq.device)
 
     def run(want_grads: bool):
-        keys_all = key_sbnd.detach().permute(1, 2, 0, 3).float().contiguous()  # [b, n, L, D]
-        k = ik.detach().float()
+        keys_all = gemms.operand(key_sbnd.detach().permute(1, 2, 0, 3).float().contiguous())  # [b, n, L, D]
+        k = gemms.operand(ik.detach().float())
         dq, dk, dw = _grad_buffers(iq, ik, iw, want_grads)
         # reused: fresh chunk-sized results are fresh pages every chunk
         scores_buf = iq.new_empty(b * key_sbnd.shape[2] * min(chunk, s) * k.shape[1],
@@ -132,10 +217,11 @@ def dense_kl(iq, ik, iw, query_sbnd, key_sbnd, scale: float, chunk: int, tp_grou
                       else layout.hidden(lo, hi, n))
             first = _first_hidden(layout, lo)
             target = dense_attention_target(query_sbnd.detach(), keys_all[:, :, :n], scale, lo,
-                                            hi, hidden, tp_group, scores_buf, first, fused)
-            q_c = iq[:, lo:hi].detach().float().reshape(b, c * heads, d)
-            per_head = torch.bmm(q_c, k[:, :n].transpose(1, 2),
-                                 out=per_head_buf[:b * c * heads * n].view(b, c * heads, n))
+                                            hi, hidden, tp_group, scores_buf, first, fused, gemms)
+            q_c = gemms.operand(iq[:, lo:hi].detach().float().reshape(b, c * heads, d))
+            with gemms.scope():
+                per_head = torch.bmm(q_c, k[:, :n].transpose(1, 2),
+                                     out=per_head_buf[:b * c * heads * n].view(b, c * heads, n))
             per_head = per_head.view(b * c, heads, n)
             w_c = iw[:, lo:hi].detach().float().reshape(b * c, heads).contiguous()
             if fused:  # d per_head replaces per_head in its storage
@@ -148,10 +234,11 @@ def dense_kl(iq, ik, iw, query_sbnd, key_sbnd, scale: float, chunk: int, tp_grou
                                                  want_grads)
             total += value
             if want_grads:
-                d_ph = d_ph.view(b, c * heads, n)
+                d_ph = gemms.operand(d_ph.view(b, c * heads, n))
                 dw[:, lo:hi] = d_w.view(b, c, heads)
-                dq[:, lo:hi] = torch.bmm(d_ph, k[:, :n]).view(b, c, heads, d)
-                dk[:, :n].baddbmm_(d_ph.transpose(1, 2), q_c)
+                with gemms.scope():
+                    dq[:, lo:hi] = torch.bmm(d_ph, k[:, :n]).view(b, c, heads, d)
+                    dk[:, :n].baddbmm_(d_ph.transpose(1, 2), q_c)
         return _mean(total, (dq, dk, dw), b * s, want_grads)
 
     return _KLWithEagerGradients.apply(run, iq, ik, iw)
@@ -167,11 +254,14 @@ def _first_hidden(layout, lo: int) -> int:
     return int(layout.q_pos_host[lo]) + 1
 
 
-def sparse_kl(iq, ik, iw, idx, valid, head_probs, chunk: int, tp_group=None, fused: bool = False):
+def sparse_kl(iq, ik, iw, idx, valid, head_probs, chunk: int, tp_group=None, fused: bool = False,
+              triton: bool = False):
     """Mean over the queries of ``iq``/``iw``/``idx`` of the sparse-form KL over each query's
     selected keys (``ik`` holds every key). ``head_probs`` (fp32, the main attention summed over
     this rank's heads) is overwritten by the target. ``fused``: the fused CPU kernel computes it
-    (the caller checked it is built and the tensors are on the CPU)."""
+    (the caller checked it is built and the tensors are on the CPU). ``triton``: the Triton
+    kernel does (CUDA tensors; q and k read in their own dtype, fp32 math: see its module); a
+    row with no valid key then contributes 0 (the torch paths' target is 0/0 there)."""
     b, s, heads, d = iq.shape
     kk = idx.shape[-1]
     # the target is formed in head_probs' storage (nothing else reads it): at long context a
@@ -190,6 +280,11 @@ def sparse_kl(iq, ik, iw, idx, valid, head_probs, chunk: int, tp_group=None, fus
             iq.detach().float().contiguous(), ik.detach().float().contiguous(),
             iw.detach().float().contiguous(), idx, None if hidden is None else valid,
             target.contiguous(), want_grads)
+        return _mean(total, (dq, dk, dw), b * s, want_grads)
+
+    def run_triton(want_grads: bool):
+        total, dq, dk, dw = sparse_kl_triton(iq.detach(), ik.detach(), iw.detach(), idx,
+                                             None if hidden is None else valid, target, want_grads)
         return _mean(total, (dq, dk, dw), b * s, want_grads)
 
     def run(want_grads: bool):
@@ -218,7 +313,7 @@ def sparse_kl(iq, ik, iw, idx, valid, head_probs, chunk: int, tp_group=None, fus
                                                                        out=contribution_buf[:c]))
         return _mean(total, (dq, dk, dw), b * s, want_grads)
 
-    return _KLWithEagerGradients.apply(run_fused if fused else run, iq, ik, iw)
+    return _KLWithEagerGradients.apply(run_triton if triton else run_fused if fused else run, iq, ik, iw)
 
 
 def _mean(total, grads, count: int, want_grads: bool):
