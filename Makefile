@@ -10,7 +10,7 @@ ARGS   ?=
 # shared runs (parity references, the Slurm cluster) made once
 WORKERS ?= -n 2 --dist loadfile
 
-.PHONY: run test test-quick bench
+.PHONY: run test test-quick bench gpu-check
 
 # Bytecode: pip compiles module by module on one core (41 s of a 90 s install on 2 cores), so it
 # installs with --no-compile and compileall then writes every .pyc on all cores (16 s). The .pyc
@@ -38,3 +38,10 @@ test-quick: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) benchmarks/throughput.py
+
+# the one command for a fresh GPU node (<= 8 minutes on an H200): environment, the tiny GLM-5 in
+# dense / warm-up / sparse DSA mode, every Triton kernel against its reference and flash SDPA,
+# a real-width GLM-5 slice against the planner; writes benchmarks/results/gpu-<date>-<gpu>.json
+# (ARGS="--device cpu" runs it on CPU: emulation + Triton interpreter)
+gpu-check: $(STAMP)
+	$(PY) -m benchmarks.gpu_check $(ARGS)
