@@ -9,17 +9,13 @@ imported)."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
+from tests.support.triton_interpreter import collect_in_interpreter
+
 pytestmark = pytest.mark.heavy
 
-REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
 DOCS = [[0] * 17 + [1] * 50 + [2] * 33, [0] * 5 + [1] * 60 + [2] * 35]
 CASES = {  # s, heads, qk, v, documents, CP rank (of 2) or None, dtype
     "packed": (100, 2, 24, 20, True, None, "fp32"),
@@ -98,15 +94,7 @@ def _collect():
 
 @pytest.fixture(scope="module")
 def results() -> dict:
-    env = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1", "TRITON_INTERPRET": "1"}
-    code = ("import json; from tests.unit.model.test_dsa_document_attention import _collect; "
-            "print(json.dumps(_collect()))")
-    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    res = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert res["interpreted"]
-    return res
+    return collect_in_interpreter("tests.unit.model.test_dsa_document_attention")
 
 
 @pytest.mark.parametrize("name", list(CASES))

@@ -16,19 +16,14 @@ the fp32 path at GLM-5's indexer dims and bounded (see ``TF32_BOUNDS``)."""
 from __future__ import annotations
 
 import functools
-import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from tests.support.triton_interpreter import bf16_as_on_gpu
+from tests.support.triton_interpreter import bf16_as_on_gpu, collect_in_interpreter
 
 pytestmark = pytest.mark.heavy  # the Triton interpreter in one subprocess (~15 s on two cores)
 
-REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
 FP32_TOL = 1e-5
 #: bf16 q/k: scores exact, d per_head enters the gradient GEMMs as bf16 hi + lo (~2^-16;
 #: measured 2.2e-6)
@@ -164,15 +159,7 @@ def _collect() -> dict:
 
 @pytest.fixture(scope="module")
 def results() -> dict:
-    env = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1", "TRITON_INTERPRET": "1"}
-    code = ("import json; from tests.unit.model.test_dsa_kl_triton import _collect; "
-            "print(json.dumps(_collect()))")
-    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    res = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert res["interpreted"]
-    return res
+    return collect_in_interpreter("tests.unit.model.test_dsa_kl_triton")
 
 
 @pytest.mark.parametrize("name", list(CASES))

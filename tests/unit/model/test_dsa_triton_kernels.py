@@ -19,19 +19,13 @@ zigzag runs of a context-parallel rank, and their top-k equal to the reference's
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
-from tests.support.triton_interpreter import bf16_as_on_gpu
+from tests.support.triton_interpreter import bf16_as_on_gpu, collect_in_interpreter
 
 pytestmark = pytest.mark.heavy  # every case runs the Triton interpreter in one subprocess (minutes)
 
-REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
 FP32_TOL, BF16_TOL = 1e-5, 2e-3
 BF16_FAST_TOL = 3e-3  # precise=False: P and dS rounded to bf16 for their GEMMs (flash attention)
 
@@ -305,15 +299,7 @@ def _collect() -> dict:
 
 @pytest.fixture(scope="module")
 def results() -> dict:
-    env = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1", "TRITON_INTERPRET": "1"}
-    code = ("import json; from tests.unit.model.test_dsa_triton_kernels import _collect; "
-            "print(json.dumps(_collect()))")
-    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    res = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert res["interpreted"]
-    return res
+    return collect_in_interpreter("tests.unit.model.test_dsa_triton_kernels")
 
 
 @pytest.mark.parametrize("name", list(ATTENTION_CASES))

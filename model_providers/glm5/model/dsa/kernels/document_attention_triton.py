@@ -48,6 +48,30 @@ LOG2E = 1.4426950408889634
 if HAVE_TRITON:
 
     @triton.jit
+    def _tile(ptr, rows, row_ok, stride, offs, DIM: tl.constexpr):
+        """Rows ``rows`` [R] of one (batch, head)'s [*, DIM] matrix at ``ptr`` (row stride
+        ``stride``), padded to ``offs``' width with zeros."""
+        return tl.load(ptr + rows[:, None] * stride + offs[None, :],
+                       mask=row_ok[:, None] & (offs < DIM)[None, :], other=0.0)
+
+    @triton.jit
+    def _store_tile(ptr, rows, row_ok, stride, offs, DIM: tl.constexpr, value):
+        tl.store(ptr + rows[:, None] * stride + offs[None, :], value.to(ptr.dtype.element_ty),
+                 mask=row_ok[:, None] & (offs < DIM)[None, :])
+
+    @triton.jit
+    def _query_block(pos_ptr, first_ptr, b, S, m0, BLOCK_M: tl.constexpr):
+        """Query rows m0.. of sample b: (rows, in range, positions, first visible keys, and the
+        block's key range [lo, hi): its first row's first key to its last row's position)."""
+        rows = m0 + tl.arange(0, BLOCK_M)
+        row_ok = rows < S
+        pos = tl.load(pos_ptr + rows, mask=row_ok, other=-1)
+        first = tl.load(first_ptr + b * S + rows, mask=row_ok, other=0)
+        lo = tl.load(first_ptr + b * S + m0)
+        hi = tl.load(pos_ptr + tl.minimum(m0 + BLOCK_M, S) - 1) + 1
+        return rows, row_ok, pos, first, lo, hi
+
+    @triton.jit
     def _fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, pos_ptr, first_ptr,
                     sq_s, sq_b, sq_h, sk_s, sk_b, sk_h, sv_s, sv_b, sv_h, so_s, so_b, so_h,
                     S, H, qk_scale,
@@ -57,26 +81,19 @@ if HAVE_TRITON:
         bh = tl.program_id(1)
         b = (bh // H).to(tl.int64)
         h = (bh % H).to(tl.int64)
-        rows = m0 + tl.arange(0, BLOCK_M)
-        row_ok = rows < S
-        pos = tl.load(pos_ptr + rows, mask=row_ok, other=-1)
-        first = tl.load(first_ptr + b * S + rows, mask=row_ok, other=0)
-        lo = tl.load(first_ptr + b * S + m0)
-        hi = tl.load(pos_ptr + tl.minimum(m0 + BLOCK_M, S) - 1) + 1
+        rows, row_ok, pos, first, lo, hi = _query_block(pos_ptr, first_ptr, b, S, m0, BLOCK_M)
         offs_d = tl.arange(0, BLOCK_D)
         offs_dv = tl.arange(0, BLOCK_DV)
-        q = tl.load(q_ptr + b * sq_b + h * sq_h + rows[:, None] * sq_s + offs_d[None, :],
-                    mask=row_ok[:, None] & (offs_d < D)[None, :], other=0.0)
+        k_bh, v_bh = k_ptr + b * sk_b + h * sk_h, v_ptr + b * sv_b + h * sv_h
+        q = _tile(q_ptr + b * sq_b + h * sq_h, rows, row_ok, sq_s, offs_d, D)
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
         for n0 in range(lo - lo % BLOCK_N, hi, BLOCK_N):
             cols = n0 + tl.arange(0, BLOCK_N)
             col_ok = cols < hi
-            k = tl.load(k_ptr + b * sk_b + h * sk_h + cols[:, None] * sk_s + offs_d[None, :],
-                        mask=col_ok[:, None] & (offs_d < D)[None, :], other=0.0)
-            v = tl.load(v_ptr + b * sv_b + h * sv_h + cols[:, None] * sv_s + offs_dv[None, :],
-                        mask=col_ok[:, None] & (offs_dv < DV)[None, :], other=0.0)
+            k = _tile(k_bh, cols, col_ok, sk_s, offs_d, D)
+            v = _tile(v_bh, cols, col_ok, sv_s, offs_dv, DV)
             s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
             seen = (cols[None, :] <= pos[:, None]) & (cols[None, :] >= first[:, None])
             s = tl.where(seen, s, float("-inf"))
@@ -88,9 +105,7 @@ if HAVE_TRITON:
             acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PREC)
             m_i = m_new
         l_safe = tl.where(l_i > 0.0, l_i, 1.0)  # padding rows only: every row sees its own key
-        tl.store(o_ptr + b * so_b + h * so_h + rows[:, None] * so_s + offs_dv[None, :],
-                 (acc / l_safe[:, None]).to(o_ptr.dtype.element_ty),
-                 mask=row_ok[:, None] & (offs_dv < DV)[None, :])
+        _store_tile(o_ptr + b * so_b + h * so_h, rows, row_ok, so_s, offs_dv, DV, acc / l_safe[:, None])
         tl.store(lse_ptr + bh.to(tl.int64) * S + rows, m_i + tl.log2(l_safe), mask=row_ok)
 
     @triton.jit
@@ -101,9 +116,8 @@ if HAVE_TRITON:
         h = (bh % H).to(tl.int64)
         rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_dv = tl.arange(0, BLOCK_DV)
-        ok = (rows < S)[:, None] & (offs_dv < DV)[None, :]
-        o = tl.load(o_ptr + b * so_b + h * so_h + rows[:, None] * so_s + offs_dv[None, :], mask=ok, other=0.0)
-        do = tl.load(do_ptr + b * sd_b + h * sd_h + rows[:, None] * sd_s + offs_dv[None, :], mask=ok, other=0.0)
+        o = _tile(o_ptr + b * so_b + h * so_h, rows, rows < S, so_s, offs_dv, DV)
+        do = _tile(do_ptr + b * sd_b + h * sd_h, rows, rows < S, sd_s, offs_dv, DV)
         tl.store(delta_ptr + bh.to(tl.int64) * S + rows, tl.sum(o.to(tl.float32) * do.to(tl.float32), 1),
                  mask=rows < S)
 
@@ -125,12 +139,9 @@ if HAVE_TRITON:
         col_ok = cols < L
         offs_d = tl.arange(0, BLOCK_D)
         offs_dv = tl.arange(0, BLOCK_DV)
-        d_ok = (offs_d < D)[None, :]
-        dv_ok = (offs_dv < DV)[None, :]
-        k = tl.load(k_ptr + b * sk_b + h * sk_h + cols[:, None] * sk_s + offs_d[None, :],
-                    mask=col_ok[:, None] & d_ok, other=0.0)
-        v = tl.load(v_ptr + b * sv_b + h * sv_h + cols[:, None] * sv_s + offs_dv[None, :],
-                    mask=col_ok[:, None] & dv_ok, other=0.0)
+        q_bh, do_bh = q_ptr + b * sq_b + h * sq_h, do_ptr + b * sd_b + h * sd_h
+        k = _tile(k_ptr + b * sk_b + h * sk_h, cols, col_ok, sk_s, offs_d, D)
+        v = _tile(v_ptr + b * sv_b + h * sv_h, cols, col_ok, sv_s, offs_dv, DV)
         dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
         dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
         r_lo = tl.load(row_lo_ptr + kb)
@@ -140,10 +151,8 @@ if HAVE_TRITON:
             row_ok = rows < r_hi
             pos = tl.load(pos_ptr + rows, mask=row_ok, other=-1)
             first = tl.load(first_ptr + b * S + rows, mask=row_ok, other=0)
-            q = tl.load(q_ptr + b * sq_b + h * sq_h + rows[:, None] * sq_s + offs_d[None, :],
-                        mask=row_ok[:, None] & d_ok, other=0.0)
-            do = tl.load(do_ptr + b * sd_b + h * sd_h + rows[:, None] * sd_s + offs_dv[None, :],
-                         mask=row_ok[:, None] & dv_ok, other=0.0)
+            q = _tile(q_bh, rows, row_ok, sq_s, offs_d, D)
+            do = _tile(do_bh, rows, row_ok, sd_s, offs_dv, DV)
             lse = tl.load(lse_ptr + bh.to(tl.int64) * S + rows, mask=row_ok, other=0.0)
             delta = tl.load(delta_ptr + bh.to(tl.int64) * S + rows, mask=row_ok, other=0.0)
             s_t = tl.dot(k, tl.trans(q), input_precision=PREC) * qk_scale  # [keys, rows]
@@ -153,10 +162,8 @@ if HAVE_TRITON:
             dp_t = tl.dot(v, tl.trans(do), input_precision=PREC)
             ds_t = p_t * (dp_t - delta[None, :])
             dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=PREC)
-        tl.store(dk_ptr + b * sdk_b + h * sdk_h + cols[:, None] * sdk_s + offs_d[None, :],
-                 (dk * scale).to(dk_ptr.dtype.element_ty), mask=col_ok[:, None] & d_ok)
-        tl.store(dv_ptr + b * sdv_b + h * sdv_h + cols[:, None] * sdv_s + offs_dv[None, :],
-                 dv.to(dv_ptr.dtype.element_ty), mask=col_ok[:, None] & dv_ok)
+        _store_tile(dk_ptr + b * sdk_b + h * sdk_h, cols, col_ok, sdk_s, offs_d, D, dk * scale)
+        _store_tile(dv_ptr + b * sdv_b + h * sdv_h, cols, col_ok, sdv_s, offs_dv, DV, dv)
 
     @triton.jit
     def _bwd_q_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, pos_ptr, first_ptr, dq_ptr,
@@ -168,38 +175,27 @@ if HAVE_TRITON:
         bh = tl.program_id(1)
         b = (bh // H).to(tl.int64)
         h = (bh % H).to(tl.int64)
-        rows = m0 + tl.arange(0, BLOCK_M)
-        row_ok = rows < S
-        pos = tl.load(pos_ptr + rows, mask=row_ok, other=-1)
-        first = tl.load(first_ptr + b * S + rows, mask=row_ok, other=0)
-        lo = tl.load(first_ptr + b * S + m0)
-        hi = tl.load(pos_ptr + tl.minimum(m0 + BLOCK_M, S) - 1) + 1
+        rows, row_ok, pos, first, lo, hi = _query_block(pos_ptr, first_ptr, b, S, m0, BLOCK_M)
         offs_d = tl.arange(0, BLOCK_D)
         offs_dv = tl.arange(0, BLOCK_DV)
-        d_ok = (offs_d < D)[None, :]
-        dv_ok = (offs_dv < DV)[None, :]
-        q = tl.load(q_ptr + b * sq_b + h * sq_h + rows[:, None] * sq_s + offs_d[None, :],
-                    mask=row_ok[:, None] & d_ok, other=0.0)
-        do = tl.load(do_ptr + b * sd_b + h * sd_h + rows[:, None] * sd_s + offs_dv[None, :],
-                     mask=row_ok[:, None] & dv_ok, other=0.0)
+        k_bh, v_bh = k_ptr + b * sk_b + h * sk_h, v_ptr + b * sv_b + h * sv_h
+        q = _tile(q_ptr + b * sq_b + h * sq_h, rows, row_ok, sq_s, offs_d, D)
+        do = _tile(do_ptr + b * sd_b + h * sd_h, rows, row_ok, sd_s, offs_dv, DV)
         lse = tl.load(lse_ptr + bh.to(tl.int64) * S + rows, mask=row_ok, other=0.0)
         delta = tl.load(delta_ptr + bh.to(tl.int64) * S + rows, mask=row_ok, other=0.0)
         dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
         for n0 in range(lo - lo % BLOCK_N, hi, BLOCK_N):
             cols = n0 + tl.arange(0, BLOCK_N)
             col_ok = cols < hi
-            k = tl.load(k_ptr + b * sk_b + h * sk_h + cols[:, None] * sk_s + offs_d[None, :],
-                        mask=col_ok[:, None] & d_ok, other=0.0)
-            v = tl.load(v_ptr + b * sv_b + h * sv_h + cols[:, None] * sv_s + offs_dv[None, :],
-                        mask=col_ok[:, None] & dv_ok, other=0.0)
+            k = _tile(k_bh, cols, col_ok, sk_s, offs_d, D)
+            v = _tile(v_bh, cols, col_ok, sv_s, offs_dv, DV)
             s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
             seen = (cols[None, :] <= pos[:, None]) & (cols[None, :] >= first[:, None])
             p = tl.where(seen, tl.exp2(s - lse[:, None]), 0.0)
             dp = tl.dot(do, tl.trans(v), input_precision=PREC)
             ds = p * (dp - delta[:, None])
             dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=PREC)
-        tl.store(dq_ptr + b * sdq_b + h * sdq_h + rows[:, None] * sdq_s + offs_d[None, :],
-                 (dq * scale).to(dq_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok)
+        _store_tile(dq_ptr + b * sdq_b + h * sdq_h, rows, row_ok, sdq_s, offs_d, D, dq * scale)
 
 
 def first_visible_key(q_pos: torch.Tensor, doc_k, batch: int) -> torch.Tensor:
