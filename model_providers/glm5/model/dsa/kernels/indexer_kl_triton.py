@@ -18,8 +18,8 @@ One launch per chunk of queries, one program per (query, batch). The heads are t
 Two sweeps over the keys: the first takes the log-softmax's max and sum (online, fp32), the
 second recomputes the scores and gives the KL terms, dw, dq (accumulated transposed, dq^T =
 K_sel^T dph^T) and the key gradient's per-(query, key) rows, d per_head^T . q. Those rows go to a
-partial buffer at rows placed by a stable sort of the (key, query) pairs, and the sparse MLA's
-reduction kernel (:mod:`.sparse_mla_triton`) adds each key's run to the fp32 dk in query order: no
+partial buffer at rows placed by a stable sort of the (key, query) pairs, and the reduction the
+sparse MLA shares (:mod:`.ordered_rows`) adds each key's run to the fp32 dk in query order: no
 atomics, bitwise reproducible, the order of the torch path's ``index_put_(accumulate=True)``.
 Queries run in chunks whose partials fit ``PARTIAL_BUDGET`` bytes (GLM-5, k = 2048 x d = 128:
 1 MiB per query, ~1000 queries per chunk), so a layer's KL is a few launches per chunk instead of
@@ -43,13 +43,14 @@ from __future__ import annotations
 import torch
 
 from .indexer_fp8_triton import HAVE_TRITON
-from .sparse_mla_triton import REDUCE_BLOCK_D, REDUCE_BLOCK_P, _pow2
+from .ordered_rows import add_rows_in_order, pair_order
+from .sparse_mla_triton import _pow2
 
 if HAVE_TRITON:
     import triton
     import triton.language as tl
 
-    from .sparse_mla_triton import _dkv_reduce_kernel, _dot_fp32_right
+    from .sparse_mla_triton import _dot_fp32_right
 
 PARTIAL_BUDGET = 2**30  #: bytes of fp32 key-gradient partials per chunk of queries
 #: selected keys per block, warps, pipeline stages. Compiled for sm_90a without a GPU at GLM-5's
@@ -214,19 +215,10 @@ def sparse_kl_triton(iq, ik, iw, idx, valid, target, want_grads: bool, *, chunk:
         return kl_rows.sum(dtype=torch.float64).float(), dq, dk, dw
     c = max(1, min(s, chunk or partial_budget // (b * kk * d * 4)))  # queries per chunk
     part = q.new_empty(b * c * kk, d, dtype=torch.float32)
-    sentinel = b * L
-    base = (torch.arange(b, device=q.device) * L)[:, None, None]
     for t0 in range(0, s, c):
         cc = min(c, s - t0)
-        rows = b * cc * kk
-        keys = idx[:, t0:t0 + cc] + base
-        if valid is not None:
-            keys = torch.where(valid[:, t0:t0 + cc], keys, sentinel)
-        keys_sorted, order = torch.sort(keys.reshape(-1), stable=True)  # pair rows (b, t, slot)
-        dest = torch.empty_like(order).scatter_(0, order, torch.arange(rows, device=q.device))
+        keys_sorted, dest = pair_order(idx[:, t0:t0 + cc], None if valid is None else valid[:, t0:t0 + cc], L)
         _indexer_kl_kernel[(cc, b)](q, k, w, idx, valid_arg, target, kl_rows, dq, dw, part, dest,
                                     t0, cc, s, heads, kk, L, d, **meta)
-        grid = (triton.cdiv(rows, REDUCE_BLOCK_P), triton.cdiv(d, REDUCE_BLOCK_D))
-        _dkv_reduce_kernel[grid](keys_sorted, part, dk, rows, sentinel, d,
-                                 BLOCK_P=REDUCE_BLOCK_P, BLOCK_D=REDUCE_BLOCK_D)
+        add_rows_in_order(keys_sorted, part, dk)
     return kl_rows.sum(dtype=torch.float64).float(), dq, dk, dw

@@ -21,7 +21,7 @@ accumulated transposed (dq^T = kv^T dS^T). Every large GEMM thus has M >= 128, w
 Triton's Hopper layouts consistent along each accumulation chain (compiled for sm_90a without
 a GPU: see FWD_CONFIG). dkv is accumulated deterministically: each program writes its
 per-(query, key) contributions [D] fp32 to a partial buffer, at rows placed by a stable sort of
-the pairs by key (pairs numbered batch, query, head group, slot); a second kernel walks each key's
+the pairs by key (pairs numbered batch, query, head group, slot); a second kernel (:mod:`.ordered_rows`) walks each key's
 run of rows in that fixed (query, head group) order and adds it to an fp32 [b, L, D] accumulator
 (one program per key run: no atomics). Queries are processed in chunks whose partials fit
 ``PARTIAL_BUDGET`` (1 GiB; :func:`backward_chunk_plan`); chunks run in order, so every key's sum
@@ -76,6 +76,7 @@ from __future__ import annotations
 import torch
 
 from .indexer_fp8_triton import HAVE_TRITON
+from .ordered_rows import add_rows_in_order, pair_order
 
 if HAVE_TRITON:
     import triton
@@ -89,8 +90,6 @@ PARTIAL_BUDGET = 2**30  #: bytes of fp32 dkv partials per backward chunk at most
 # 170 KiB (196 KiB with block_n=32; 64 exceeds the 227 KiB an H100/H200 block may use)
 FWD_CONFIG = dict(block_n=32, num_warps=8, num_stages=2)
 BWD_CONFIG = dict(block_n=16, num_warps=8, num_stages=1)
-REDUCE_BLOCK_P = 16  #: sorted pair rows per reduction program (runs starting there are its own)
-REDUCE_BLOCK_D = 128
 
 
 if HAVE_TRITON:
@@ -273,29 +272,6 @@ if HAVE_TRITON:
         tl.store(dq_rows + DV + offs_dr[:, None], dqr_t.to(dq_ptr.dtype.element_ty),
                  mask=h_ok[None, :] & dr_ok[:, None])
 
-    @triton.jit
-    def _dkv_reduce_kernel(keys_ptr, part_ptr, acc_ptr, N, NKEYS, D,
-                           BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr):
-        """keys [N] sorted (sentinel NKEYS for invalid pairs), part [N, D] in the same order:
-        acc[key] += its run of rows, in order. A run belongs to the program holding its first
-        row, which walks it to the end (past its own block if need be)."""
-        p0 = tl.program_id(0) * BLOCK_P
-        offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-        d_ok = offs_d < D
-        for p in range(p0, tl.minimum(p0 + BLOCK_P, N)):
-            key = tl.load(keys_ptr + p)
-            prev = tl.load(keys_ptr + p - 1, mask=p > 0, other=-1)
-            if (key != prev) & (key < NKEYS):
-                acc_row = acc_ptr + key * D + offs_d
-                a = tl.load(acc_row, mask=d_ok, other=0.0)
-                r = p
-                cur = key
-                while cur == key:
-                    a += tl.load(part_ptr + r.to(tl.int64) * D + offs_d, mask=d_ok, other=0.0)
-                    r += 1
-                    cur = tl.load(keys_ptr + r, mask=r < N, other=-1)
-                tl.store(acc_row, a, mask=d_ok)
-
 
 def _interpreted() -> bool:
     """True when @triton.jit built the kernels for the CPU interpreter (TRITON_INTERPRET=1)."""
@@ -399,24 +375,16 @@ def sparse_mla_backward(q, kv, idx, valid, o, lse, grad_o, scale: float, dv: int
     c, _ = backward_chunk_plan(b, s, n, dim, k, heads_per_program=heads_per_program,
                                partial_budget=partial_budget, chunk=chunk)
     part = q.new_empty(groups * b * c * k, dim, dtype=torch.float32)
-    sentinel = b * L
-    base = (torch.arange(b, device=q.device) * L)[:, None, None]
     cfg = BWD_CONFIG
     for t0 in range(0, s, c):
         cc = min(c, s - t0)
-        rows = groups * b * cc * k
-        keys = torch.where(valid[:, t0:t0 + cc], idx[:, t0:t0 + cc] + base, sentinel)
-        keys = keys[:, :, None].expand(b, cc, groups, k).reshape(-1)  # pair rows (b, t, g, slot)
-        keys_sorted, order = torch.sort(keys, stable=True)
-        dest = torch.empty_like(order).scatter_(0, order, torch.arange(rows, device=q.device))
+        keys_sorted, dest = pair_order(idx[:, t0:t0 + cc], valid[:, t0:t0 + cc], L, groups)
         _sparse_mla_bwd_kernel[(cc, groups, b)](
             q, kv, idx, valid8, o, grad_o, lse, dq, part, dest,
             t0, cc, s, n, k, L, float(scale), **meta,
             BLOCK_N=block_n or cfg["block_n"], num_warps=num_warps or cfg["num_warps"],
             num_stages=num_stages or cfg["num_stages"])
-        grid = (triton.cdiv(rows, REDUCE_BLOCK_P), triton.cdiv(dim, REDUCE_BLOCK_D))
-        _dkv_reduce_kernel[grid](keys_sorted, part, dkv, rows, sentinel, dim,
-                                 BLOCK_P=REDUCE_BLOCK_P, BLOCK_D=REDUCE_BLOCK_D)
+        add_rows_in_order(keys_sorted, part, dkv)
     return dq, dkv.to(kv.dtype)
 
 
