@@ -26,14 +26,24 @@ TRANSFORMER_FIELDS = (
 DDP_FIELDS = ("overlap_grad_reduce", "overlap_param_gather")
 
 
-def check_features(par, *, recompute, dtype: str, mtp_num_steps: int, num_experts,
-                   rope_type: str) -> list[str]:
-    """Every combination of ``par``'s speed features (with the model's ``recompute`` mode, the
-    precision ``dtype``, the MTP steps and the RoPE type) that megatron-core 0.16.1 refuses."""
+def check_features(par, model, dtype: str) -> list[str]:
+    """Every combination of ``par``'s speed features with the ``model`` (a
+    :class:`~model_providers.glm5.model.config.GLM5Config`: recompute mode, MTP steps, experts,
+    RoPE, head dims) and the precision ``dtype`` that megatron-core 0.16.1 refuses or cannot run
+    (every model here uses multi-latent attention)."""
+    recompute, mtp_num_steps, num_experts = model.recompute, model.mtp_num_steps, model.num_experts
     p = []
-    if par.apply_rope_fusion and rope_type != "yarn":
-        p.append(f"parallel.apply_rope_fusion=true needs model.rope_type=yarn (got {rope_type}): "
-                 "megatron-core's fused MLA RoPE kernels exist for YaRN only")
+    if par.apply_rope_fusion:
+        p += rope_fusion_problems(model)
+    if par.tp_comm_overlap:
+        # megatron.core.extensions.transformer_engine.TELinear.__init__: a userbuffer name other
+        # than qkv / proj / fc1 / fc2 sets ``self.config.tp_comm_overlap = False`` -- on the config
+        # every layer shares -- so from the first layer's linear_q_down_proj on, no layer overlaps
+        p.append("parallel.tp_comm_overlap=true cannot run with multi-latent attention on "
+                 "megatron-core 0.16.1: Transformer Engine has no userbuffers for MLA's projections "
+                 "(q_down_proj, kv_down_proj, q_up_proj, kv_up_proj), and megatron's TE linear layer "
+                 "then switches the overlap off in the config every later layer shares (it warns once "
+                 "and runs the model without it)")
     if par.cross_entropy_loss_fusion and dtype != "bf16":
         p.append(f"parallel.cross_entropy_loss_fusion=true needs precision.dtype=bf16 (got {dtype}): "
                  "megatron's fused cross entropy rounds the logits' gradient to bf16")
@@ -52,13 +62,25 @@ def check_features(par, *, recompute, dtype: str, mtp_num_steps: int, num_expert
     if par.overlap_param_gather and not par.overlap_grad_reduce:
         p.append("parallel.overlap_param_gather=true needs parallel.overlap_grad_reduce=true "
                  "(megatron's bucketed, overlapped gradient buffers)")
-    if par.tp_comm_overlap and not (par.tp > 1 and par.sequence_parallel):
-        p.append(f"parallel.tp_comm_overlap=true needs parallel.tp > 1 and sequence_parallel=true "
-                 f"(got tp={par.tp}, sequence_parallel={par.sequence_parallel})")
     if par.delay_wgrad_compute and not par.overlap_moe_expert_parallel_comm:
         p.append("parallel.delay_wgrad_compute=true needs parallel.overlap_moe_expert_parallel_comm=true")
     if par.overlap_moe_expert_parallel_comm:
         p += _ep_overlap_problems(par, recompute, dtype, mtp_num_steps, num_experts)
+    return p
+
+
+def rope_fusion_problems(model) -> list[str]:
+    """Why megatron-core 0.16.1's fused MLA RoPE (``apply_rope_fusion``) cannot run ``model``."""
+    p = []
+    if model.rope_type != "yarn":
+        p.append(f"parallel.apply_rope_fusion=true needs model.rope_type=yarn (got {model.rope_type}): "
+                 "megatron-core's fused MLA RoPE kernels exist for YaRN only")
+    odd = {n: getattr(model, n) for n in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+           if getattr(model, n) & (getattr(model, n) - 1)}
+    if odd:  # fused_mla_yarn_rope_apply.rotary_fwd_kv_kernel: tl.arange(0, k_dim), tl.arange(0, v_dim)
+        p.append(f"parallel.apply_rope_fusion=true needs MLA head dims that are powers of 2 (got "
+                 f"{', '.join(f'model.{n}={v}' for n, v in odd.items())}): megatron's fused MLA RoPE "
+                 "kernels tile whole heads with tl.arange, which Triton allows for powers of 2 only")
     return p
 
 
@@ -79,17 +101,6 @@ def _ep_overlap_problems(par, recompute, dtype, mtp_num_steps, num_experts) -> l
     if par.pp > 1 and (par.vpp or 1) == 1:
         p.append(f"{what} with parallel.pp={par.pp} needs virtual pipeline stages: parallel.vpp > 1 "
                  f"(got {par.vpp})")
-    return p
-
-
-def not_yet_supported(par) -> list[str]:
-    """Features megatron-core has that this pipeline cannot run yet (refused when a run starts;
-    the planner still models them, e.g. to reproduce a published Megatron-LM run)."""
-    p = []
-    if par.tp_comm_overlap:
-        p.append("parallel.tp_comm_overlap=true is not supported by this pipeline yet: Transformer "
-                 "Engine's userbuffers must be created at startup (megatron-LM's training loop calls "
-                 "initialize_ub; megatron-core does not), and this pipeline does not create them")
     return p
 
 

@@ -113,9 +113,6 @@ def main(argv: list[str]) -> int:
         print("\n" + ckpt)
     if run_problems:
         print(f"\nthe run does not validate at {world} GPUs:\n  - " + "\n  - ".join(run_problems))
-    lacking = _not_yet_supported(chosen)
-    if lacking:
-        print("\nplanned, but this pipeline cannot run it yet (a launch is refused):\n  - " + "\n  - ".join(lacking))
     for p in plans:
         if not p.problems:
             print()
@@ -135,20 +132,6 @@ def main(argv: list[str]) -> int:
     if run_problems:
         return 2
     return 0 if searched and all(p.fits for p in plans) else 1
-
-
-def _not_yet_supported(stages) -> list[str]:
-    """Features of the stages megatron-core has and this pipeline cannot run yet: planned (e.g.
-    to reproduce a Megatron-LM run) and named, as a launch would refuse them."""
-    from parallel.features import not_yet_supported
-
-    out = []
-    for st in stages:
-        for why in not_yet_supported(st.rc.parallel):
-            line = why.split(":")[0] + " (" + st.name + ")"
-            if why.split(":")[0] not in " ".join(out):
-                out.append(line)
-    return out
 
 
 def _write_json(path: str, data: dict) -> None:

@@ -7,8 +7,8 @@ balanced by compute two ways -- megatron's first/last stage layer counts
 MTP module and the loss to the ranks that have room (:func:`planner.balance.balanced_layouts`) --
 and with the speed features as the run sets them and switched on (:func:`feature_sets`: the flex
 dispatcher, the permute / router / cross-entropy / RoPE / SwiGLU / gradient-accumulation fusions, the DP
-overlaps, and, where megatron allows it and this pipeline runs it, the EP all-to-all overlap:
-``parallel.features.not_yet_supported``). The distributed optimizer and
+overlaps, and, where megatron allows it, the EP all-to-all overlap; every candidate passes the
+run's own validation, ``parallel.features.check_features`` included). The distributed optimizer and
 sequence parallelism (with tp > 1) are always on, the micro-batch size is the stage's. Candidates
 are timed first (cheap) and sized in that order until enough fit, so the memory model runs on
 few of them.
@@ -20,7 +20,7 @@ import dataclasses
 import itertools
 from dataclasses import dataclass
 
-from parallel.features import not_yet_supported
+from parallel.features import rope_fusion_problems
 from planner.balance import balanced_ends, balanced_layouts
 from planner.stage_plan import GIB, plan_stage
 from pretrain.config.validation import check_run
@@ -67,7 +67,7 @@ def feature_sets(rc, ep: int, etp: int, pp: int, vpp, recompute: str) -> list[di
     moe = bool(m.num_experts)
     on = dict(moe_token_dispatcher_type="flex" if moe and ep * etp > 1 else "alltoall",
               moe_permute_fusion=moe, moe_router_fusion=moe, cross_entropy_loss_fusion=bf16,
-              apply_rope_fusion=m.rope_type == "yarn", bias_activation_fusion=True,
+              apply_rope_fusion=not rope_fusion_problems(m), bias_activation_fusion=True,
               gradient_accumulation_fusion=True,
               overlap_grad_reduce=True, overlap_param_gather=True,
               overlap_moe_expert_parallel_comm=False, delay_wgrad_compute=False)
@@ -109,8 +109,6 @@ def candidates(rc, world_size: int, gpus_per_node: int):
                     # each stage's, whatever the first stage's winner turns on
                     cand = Candidate({**pipeline, **(features or run_features)}, recompute)
                     crc = cand.apply(rc)
-                    if features and not_yet_supported(crc.parallel):
-                        continue  # a preset for this pipeline: what it cannot run yet is not proposed
                     layout, problems = check_run(crc, world_size, check_paths=False)
                     if layout is not None and not problems:
                         yield cand, crc, layout

@@ -45,9 +45,7 @@ def check_run(rc: RunConfig, world_size: int, check_paths: bool = True):
         mtp_num_steps=rc.model.mtp_num_steps,
     )
     problems += layout_problems
-    problems += check_features(rc.parallel, recompute=rc.model.recompute, dtype=rc.precision.dtype,
-                               mtp_num_steps=rc.model.mtp_num_steps, num_experts=rc.model.num_experts,
-                               rope_type=rc.model.rope_type)
+    problems += check_features(rc.parallel, rc.model, rc.precision.dtype)
     if rc.parallel.overlap_moe_expert_parallel_comm and rc.model.dsa.mode == "warmup":
         problems.append("parallel.overlap_moe_expert_parallel_comm=true cannot run with model.dsa.mode=warmup: "
                         "the warm-up runs the frozen network without autograd in the model's forward, which "
@@ -92,15 +90,14 @@ def _dense_only_pipeline_ranks(rc: RunConfig, layout) -> list[str]:
 
 def check_machine(stages) -> None:
     """Refuse, naming each, the features of any stage this machine cannot run (CUDA, Transformer
-    Engine, DeepEP) or this pipeline cannot run yet: at launch only -- the planner sizes runs for
-    GPUs it does not have, and models Megatron-LM runs with features this pipeline lacks."""
+    Engine, DeepEP): at launch only -- the planner sizes runs for GPUs it does not have."""
     import torch
 
-    from parallel.features import machine_problems, not_yet_supported
+    from parallel.features import machine_problems
 
     problems = []
     for st in stages:
-        for p in not_yet_supported(st.rc.parallel) + machine_problems(
+        for p in machine_problems(
                 st.rc.parallel, st.rc.precision, st.rc.optimizer, cuda=torch.cuda.is_available()):
             if p not in problems:
                 problems.append(p)

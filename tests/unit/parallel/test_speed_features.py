@@ -12,7 +12,7 @@ import torch
 
 from model_providers.glm5.model.config import GLM5Config, PrecisionConfig, to_transformer_config
 from parallel.config import ParallelConfig, check_layout
-from parallel.features import check_features, machine_problems, not_yet_supported
+from parallel.features import check_features, machine_problems
 from pretrain.config.schema import OptimizerConfig
 
 MOE = GLM5Config()  # tiny: 4 layers, 8 experts, MTP x 3, plain RoPE
@@ -21,9 +21,7 @@ EP2 = dict(ep=2, pp=2, vpp=2)
 
 
 def _problems(par, model=MOE, precision=BF16):
-    return check_features(par, recompute=model.recompute, dtype=precision.dtype,
-                          mtp_num_steps=model.mtp_num_steps, num_experts=model.num_experts,
-                          rope_type=model.rope_type)
+    return check_features(par, model, precision.dtype)
 
 
 def _megatron_refuses(par, model=MOE, precision=BF16) -> str:
@@ -50,8 +48,10 @@ REFUSED = [  # (layout fields, model fields, precision, our message, megatron's)
      "overlap_moe_expert_parallel_comm must be enabled"),
     (dict(apply_rope_fusion=True), {}, BF16,
      "parallel.apply_rope_fusion=true needs model.rope_type=yarn (got rope)", "only works with YARN"),
-    (dict(tp_comm_overlap=True), {}, BF16,
-     "parallel.tp_comm_overlap=true needs parallel.tp > 1 and sequence_parallel=true", None),
+    (dict(apply_rope_fusion=True), dict(rope_type="yarn", qk_nope_head_dim=192, v_head_dim=256), BF16,
+     "needs MLA head dims that are powers of 2 (got model.qk_nope_head_dim=192)", None),
+    (dict(tp=2, sequence_parallel=True, tp_comm_overlap=True), {}, BF16,
+     "parallel.tp_comm_overlap=true cannot run with multi-latent attention on megatron-core 0.16.1", None),
     (dict(overlap_param_gather=True, distributed_optimizer=False, overlap_grad_reduce=True), {}, BF16,
      "parallel.overlap_param_gather=true needs parallel.distributed_optimizer=true", None),
     (dict(overlap_param_gather=True, distributed_optimizer=True), {}, BF16,
@@ -82,7 +82,7 @@ def test_ep_overlap_validates_where_megatron_allows_it():
     model = dataclasses.replace(MOE, recompute="selective")
     assert model.mtp_num_steps == 3
     par = ParallelConfig(overlap_moe_expert_parallel_comm=True, delay_wgrad_compute=True, **EP2)
-    assert _problems(par, model) == [] and not_yet_supported(par) == []
+    assert _problems(par, model) == []
     assert machine_problems(par, BF16, OptimizerConfig(), cuda=False) == [
         "parallel.delay_wgrad_compute=true needs CUDA and Transformer Engine grouped GEMM (this machine has no CUDA)"]
     tcfg = to_transformer_config(model, par, BF16)
@@ -125,8 +125,6 @@ def test_gpu_presets_are_accepted_by_megatron_but_for_what_this_machine_lacks(pr
         if m.recompute == "none":
             m = dataclasses.replace(m, recompute=None)
         assert _problems(par, m) == [], (stage, _problems(par, m))
-        if preset.startswith("glm5"):  # the shipped recipe runs on this pipeline (the DSV3 anchor is Megatron-LM's run)
-            assert not_yet_supported(par) == [], (stage, not_yet_supported(par))
         lacking = machine_problems(par, BF16, OptimizerConfig(), cuda=torch.cuda.is_available())
         needs_te_here = {"moe_permute_fusion"} & {f for f in ("moe_permute_fusion",) if getattr(par, f)}
         here = dataclasses.replace(par, moe_permute_fusion=False) if needs_te_here else par
