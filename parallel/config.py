@@ -56,8 +56,10 @@ class ParallelConfig:
     #: 10, is what such jobs raise); a real hang still ends well within a job's time limit
     timeout_minutes: float = 30.0
     #: layouts of a curriculum's stages on this cluster, by stage name: ``{stage: {field: value}}``
-    #: over the stage's own ``parallel`` fields (and ``recompute``: none | selective | full, over
-    #: the stage's). A cluster preset knows which layout each stage of a recipe needs there
+    #: over the stage's own ``parallel`` fields (and ``recompute``: none | selective | full,
+    #: ``recompute_modules``, ``micro_batch_size``: the memory knobs that go with a layout; see
+    #: ``pretrain.curriculum.PRESET_STAGE_KEYS``); ``pretrain`` is curriculum=none's one stage.
+    #: A cluster preset knows which layout each stage of a recipe needs there
     #: (``python -m planner --search`` finds them); the recipe does not.
     stages: Dict[str, Dict[str, Any]] = field(default_factory=dict)
 

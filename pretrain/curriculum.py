@@ -149,14 +149,7 @@ def _apply(rc, s: StageConfig, steps: int, where: str, problems: list):
     if s.parallel:
         out.parallel = _merged(out.parallel, s.parallel, f"{where}.parallel", problems)
     if s.name in rc.parallel.stages:  # the cluster preset's layout for this stage comes last
-        layout = dict(rc.parallel.stages[s.name])
-        recompute = layout.pop("recompute", None)
-        if "timeout_minutes" in layout:  # the process group starts once, before any stage
-            problems.append(f"parallel.stages.{s.name}.timeout_minutes: one timeout serves the whole run "
-                            f"(set parallel.timeout_minutes)")
-        if recompute is not None:
-            out.model.recompute = None if recompute == "none" else recompute
-        out.parallel = _merged(out.parallel, layout, f"parallel.stages.{s.name}", problems)
+        _apply_preset_entry(out, rc.parallel.stages[s.name], s.name, problems)
     opt, sch = out.optimizer, out.scheduler
     opt.lr, opt.min_lr = _or(s.lr.peak, opt.lr), _or(s.lr.end, opt.min_lr)
     muon = opt.muon
@@ -248,6 +241,29 @@ def _indexer_problems(s: StageConfig, model_mode: str, where: str) -> list:
             "set model.dsa.mode=none for a model without one"]
 
 
+#: what a cluster preset's stage entry (``parallel.stages.<name>``) may set besides ``parallel``
+#: fields: the memory knobs that go with a layout on a cluster (Megatron-Bridge's per-GPU
+#: performance configs set them with TP/PP/EP); none of them changes what is trained
+PRESET_STAGE_KEYS = {"recompute": "model.recompute", "recompute_modules": "model.recompute_modules",
+                     "micro_batch_size": "trainer.micro_batch_size"}
+
+
+def _apply_preset_entry(out, entry: dict, name: str, problems: list) -> None:
+    """``out`` (a stage's run config, changed in place) with the cluster preset's entry for it."""
+    layout = dict(entry)
+    knobs = {k: layout.pop(k) for k in PRESET_STAGE_KEYS if k in layout}
+    if "timeout_minutes" in layout:  # the process group starts once, before any stage
+        problems.append(f"parallel.stages.{name}.timeout_minutes: one timeout serves the whole run "
+                        f"(set parallel.timeout_minutes)")
+    if knobs.get("recompute") is not None:
+        out.model.recompute = None if knobs["recompute"] == "none" else knobs["recompute"]
+    if knobs.get("recompute_modules") is not None:
+        out.model.recompute_modules = list(knobs["recompute_modules"])
+    if knobs.get("micro_batch_size") is not None:
+        out.trainer.micro_batch_size = knobs["micro_batch_size"]
+    out.parallel = _merged(out.parallel, layout, f"parallel.stages.{name}", problems)
+
+
 def plan(rc) -> tuple[List[Stage], List[str]]:
     """Resolve every stage; returns the stages and the problems found (empty when it can run)."""
     cur = rc.curriculum
@@ -255,8 +271,12 @@ def plan(rc) -> tuple[List[Stage], List[str]]:
         if cur.start not in (None, IMPLICIT_STAGE) or cur.only not in (None, IMPLICIT_STAGE):
             return [], [f"curriculum.start={cur.start!r} / curriculum.only={cur.only!r}: the "
                         f"curriculum has no stages (only the implicit {IMPLICIT_STAGE!r})"]
-        return [Stage(0, IMPLICIT_STAGE, rc.trainer.steps, rc, "carry", [], 0,
-                      rc.trainer.steps * rc.trainer.global_batch_size)], []
+        problems, run = [], rc
+        if IMPLICIT_STAGE in rc.parallel.stages:  # a cluster preset's entry for the one stage
+            run = copy.deepcopy(rc)
+            _apply_preset_entry(run, rc.parallel.stages[IMPLICIT_STAGE], IMPLICIT_STAGE, problems)
+        return [Stage(0, IMPLICIT_STAGE, run.trainer.steps, run, "carry", [], 0,
+                      run.trainer.steps * run.trainer.global_batch_size)], problems
     problems, stages = [], []
     m = rc.optimizer.muon
     if rc.optimizer.name == "muon" and m.lr is not None and not _positive(rc.optimizer.lr):

@@ -161,3 +161,21 @@ def reach(curriculum_stages: list, stage_steps: list[int], changes: list[Change]
                 f"override the stages instead (e.g. curriculum.stages.{i}.{field}={ch.value} for "
                 f"{name}), or train without stages (curriculum=none)")
     return problems, notes
+
+
+def replaced_by_preset(changes: list[Change], entry: dict, stage: str, run_fields: dict) -> list[str]:
+    """Command-line values the cluster preset's entry for ``stage`` (``parallel.stages.<stage>``,
+    applied last) replaces: a problem each, naming the entry's field to override instead.
+    ``run_fields``: the entry's non-``parallel`` keys and the run fields they set."""
+    problems = []
+    for ch in changes:
+        if ch.override.split("=")[0].lstrip("+~") != ch.field:
+            continue  # a group choice's fields: the preset entry is part of the run it composes
+        key = next((k for k, f in run_fields.items() if f == ch.field), None)
+        if key is None and ch.field.startswith("parallel."):
+            key = ch.field[len("parallel."):]
+        if key in entry and entry[key] != ch.value:
+            problems.append(f"{ch.override} does not reach stage {stage!r}: the cluster preset sets "
+                            f"parallel.stages.{stage}.{key}={entry[key]!r}, which comes last; override "
+                            f"that instead (parallel.stages.{stage}.{key}={ch.value})")
+    return problems

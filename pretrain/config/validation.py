@@ -15,7 +15,7 @@ from typing import Sequence
 from pretrain.reliability import faults
 from pretrain.config.schema import RunConfig
 from pretrain.config.errors import ConfigError
-from pretrain.config.overrides import Change, reach
+from pretrain.config.overrides import Change, reach, replaced_by_preset
 from pretrain.reliability.run_lock import check_run_dir
 
 __all__ = ["ConfigError", "check_machine", "check_run", "plan_run", "override_notes"]
@@ -110,7 +110,7 @@ def plan_run(rc: RunConfig, world_size: int, changes: Sequence[Change] = (), che
     command line set: :func:`pretrain.config.overrides.changed_fields`) checked to reach a stage.
     Raises :class:`ConfigError` listing every problem; a problem shared by several stages is
     listed once with their names."""
-    from pretrain.curriculum import plan
+    from pretrain.curriculum import IMPLICIT_STAGE, PRESET_STAGE_KEYS, plan
 
     stages, problems = plan(rc)
     implicit = not rc.curriculum.stages
@@ -136,6 +136,9 @@ def plan_run(rc: RunConfig, world_size: int, changes: Sequence[Change] = (), che
         source, why = resolve_init_from(rc.checkpoint.init_from)
         problems += [why] if why else []
     problems += reach(rc.curriculum.stages, [st.steps for st in stages], list(changes), rc.parallel.stages)[0]
+    if implicit and IMPLICIT_STAGE in rc.parallel.stages:
+        problems += replaced_by_preset(list(changes), rc.parallel.stages[IMPLICIT_STAGE], IMPLICIT_STAGE,
+                                       PRESET_STAGE_KEYS)
     if source and not problems:  # the model builds (on meta) only from a config that validates
         from pretrain.curriculum import where_to_begin
 

@@ -197,3 +197,27 @@ def test_readme_command_composes_validates_and_delivers_its_overrides(command, o
             want = OmegaConf.select(compose(overrides), f"curriculum.stages.{m.group(1)}.{field}")
             got = st.steps if field == "steps" else _value(st.rc, _inverse_stage_field(field))
             assert got == want, (command, ov, got)
+
+
+def test_a_cluster_presets_entry_for_the_one_stage_comes_last_and_says_so():
+    """curriculum=none's stage (``pretrain``) takes the preset's ``parallel.stages.pretrain``
+    (the DeepSeek-V3 anchor's micro-batch and recompute modules); a command-line value the entry
+    replaces is an error naming the entry's field; the entry itself can be overridden."""
+    base = ["model=deepseek_v3_tiny", "parallel=dsv3_h100_1024gpu", "parallel.tp=1", "parallel.pp=1",
+            "parallel.vpp=null", "parallel.ep=1", "parallel.pipeline_layout=null",
+            "parallel.moe_token_dispatcher_type=alltoall", "parallel.overlap_moe_expert_parallel_comm=false",
+            "parallel.delay_wgrad_compute=false", "parallel.overlap_grad_reduce=false",
+            "parallel.overlap_param_gather=false", "parallel.sequence_parallel=false",
+            "parallel.apply_rope_fusion=false", "parallel.cross_entropy_loss_fusion=false", "curriculum=none",
+            "trainer.global_batch_size=8"]
+    rc = to_run_config(compose(base))
+    assert rc.trainer.micro_batch_size == 4 and rc.model.recompute_modules == ["mla_up_proj", "moe"]
+    (stage,) = plan_run(rc, 1, changed_fields(base, compose, CONF_DIR))
+    assert (stage.rc.trainer.micro_batch_size, stage.rc.model.recompute_modules) == (1, ["mla_up_proj", "mlp", "moe_act"])
+    with pytest.raises(ConfigError) as e:
+        _plan(*base, "trainer.micro_batch_size=2")
+    assert ("trainer.micro_batch_size=2 does not reach stage 'pretrain': the cluster preset sets "
+            "parallel.stages.pretrain.micro_batch_size=1, which comes last; override that instead "
+            "(parallel.stages.pretrain.micro_batch_size=2)") in str(e.value)
+    _, _, (stage,) = _plan(*base, "parallel.stages.pretrain.micro_batch_size=2")
+    assert stage.rc.trainer.micro_batch_size == 2

@@ -108,6 +108,7 @@ def test_gpu_presets_are_accepted_by_megatron_but_for_what_this_machine_lacks(pr
     from omegaconf import OmegaConf
 
     from pretrain.config.schema import CONF_DIR
+    from pretrain.curriculum import PRESET_STAGE_KEYS
 
     path = os.path.join(CONF_DIR, "parallel", f"{preset}.yaml")
     if not os.path.exists(path):
@@ -119,7 +120,7 @@ def test_gpu_presets_are_accepted_by_megatron_but_for_what_this_machine_lacks(pr
     model_raw = OmegaConf.load(os.path.join(CONF_DIR, "model", f"{model_name}.yaml"))
     model = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(GLM5Config), model_raw))
     for stage, over in [("4K", {})] + list(stages.items()):
-        over = {k: v for k, v in over.items() if k != "recompute"}
+        over = {k: v for k, v in over.items() if k not in PRESET_STAGE_KEYS}
         par = ParallelConfig(**{**raw, **over})
         m = dataclasses.replace(model, recompute=stages.get(stage, {}).get("recompute", model.recompute))
         if m.recompute == "none":

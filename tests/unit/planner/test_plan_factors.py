@@ -22,15 +22,14 @@ from planner.step_time import (ELEMENTWISE, FP8_RECIPE_RATE, GRAD_ACCUMULATION_B
 #: Megatron's DeepSeek-V3 H100 benchmark (Megatron-MoE-ModelZoo best_practice/DeepSeekV3/run.sh,
 #: Megatron-Bridge 25.09): TP2 PP8 VPP4 EP64, Et|(tt|)*30mL, MBS 1, GBS 8192, seq 4096
 DSV3_RUN = ["model=deepseek_v3_671b", "parallel=dsv3_h100_1024gpu", "precision=fp8_blockwise",
-            "optimizer=adam", "curriculum=none", "trainer.seq_length=4096", "trainer.global_batch_size=8192",
-            "trainer.micro_batch_size=1", "model.recompute_modules=[mla_up_proj,mlp,moe_act]"]
+            "optimizer=adam", "curriculum=none", "trainer.seq_length=4096", "trainer.global_batch_size=8192"]
 #: the 14-layer proxy of Megatron-LM PR #6311 / #6429: 64 H100, TP1 PP4 VPP2 EP16, Ett|(tt|)*6mL,
 #: alltoall, seq 2048, MBS 1, GBS 256, bf16, no recompute
 PROXY_RUN = ["model=deepseek_v3_671b", "model.num_layers=14", "model.recompute=null",
              "parallel=dsv3_h100_1024gpu", "parallel.tp=1", "parallel.pp=4", "parallel.vpp=2", "parallel.ep=16",
              "parallel.sequence_parallel=false", 'parallel.pipeline_layout="Ett|(tt|)*6mL"',
              "parallel.moe_token_dispatcher_type=alltoall", "parallel.overlap_moe_expert_parallel_comm=false",
-             "parallel.delay_wgrad_compute=false", "precision=bf16", "optimizer=adam", "curriculum=none",
+             "parallel.delay_wgrad_compute=false", "parallel.stages={}", "precision=bf16", "optimizer=adam", "curriculum=none",
              "trainer.seq_length=2048", "trainer.global_batch_size=256", "trainer.micro_batch_size=1"]
 #: GLM-5 at 4K on 64 x 8 H200 as the planner's first preset laid it out, every feature off
 GLM5_4K = ["model=glm5_744b", "curriculum=none", "optimizer=muon_split", "precision=bf16",
@@ -46,9 +45,12 @@ def _plan(overrides, cluster="h200_141gb", nodes=64, **fields):
     """(step time, run config, layout, cluster) of a one-stage run; the layout is checked as
     check_layout does (the speed features' own rules are parallel.features', tested there)."""
     from pretrain.config.schema import compose, to_run_config
+    from pretrain.curriculum import plan
 
     c = load_cluster(cluster, {"nodes": nodes, **fields})
-    rc = to_run_config(compose(list(overrides)))
+    (stage,), problems = plan(to_run_config(compose(list(overrides))))  # with the preset's entry for it
+    assert problems == [], problems
+    rc = stage.rc
     m, t = rc.model, rc.trainer
     layout, problems = check_layout(rc.parallel, world_size=c.world_size, num_layers=m.num_layers,
                                     num_attention_heads=m.num_attention_heads, num_experts=m.num_experts,
@@ -66,6 +68,7 @@ def test_deepseek_v3_on_1024_h100_lands_on_megatrons_published_throughput():
     15% with the recipe's features; its EP all-to-all overlap is worth ~15% (Megatron-Bridge #5094
     measured 15% of a Qwen3-235B step on H100), so without it the estimate drops by about that."""
     on, rc, layout, _ = _plan(DSV3_RUN, "h100_80gb", 128)
+    assert (rc.trainer.micro_batch_size, rc.model.recompute_modules) == (1, ["mla_up_proj", "mlp", "moe_act"])
     off, *_ = _plan(DSV3_RUN + ["parallel.overlap_moe_expert_parallel_comm=false",
                                 "parallel.delay_wgrad_compute=false"], "h100_80gb", 128)
     print(f"DeepSeek-V3 1024 H100 fp8 blockwise: {on.tokens_per_s_per_gpu:.0f} tokens/s/GPU "
