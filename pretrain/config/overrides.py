@@ -64,7 +64,8 @@ def stage_field(run_field: str) -> Optional[str]:
 def _stage_value(stage_cfg, stage_steps: int, run_field: str, field: str, preset: Optional[dict] = None):
     """The stage's own value of ``field`` (None when it leaves it to the run); ``preset``: the
     cluster preset's entry for the stage (``parallel.stages.<name>``), which comes last."""
-    key = "recompute" if field == "recompute" else field[len("parallel."):] if field.startswith("parallel.") else None
+    key = (field[len("parallel."):] if field.startswith("parallel.")
+           else field if field in ("recompute", "micro_batch_size") else None)  # what an entry may set
     if preset and key in preset:
         return preset[key]
     if run_field == "scheduler.decay_steps":

@@ -27,14 +27,11 @@ def _tiny_deepseek_v3(**fields):
 
 
 def _loss_and_grads(cfg, fused: bool, calls: list):
-    import torch
-    from megatron.core import tensor_parallel
     from megatron.core.transformer import multi_latent_attention as mla
 
-    from model_providers.glm5.model.config import to_transformer_config
-    from model_providers.glm5.model.provider import build_model_chunks
     from parallel.config import ParallelConfig
     from pretrain.config.schema import PrecisionConfig
+    from tests.support.one_step import loss_and_grads
 
     for name in ("fused_apply_mla_rope_for_q", "fused_apply_mla_rope_for_kv"):
         real = getattr(getattr(mla, name), "counted_from", getattr(mla, name))
@@ -45,18 +42,7 @@ def _loss_and_grads(cfg, fused: bool, calls: list):
 
         counted.counted_from = real
         setattr(mla, name, counted)
-    torch.manual_seed(3)
-    tensor_parallel.model_parallel_cuda_manual_seed(3)
-    tcfg = to_transformer_config(cfg, ParallelConfig(apply_rope_fusion=fused), PrecisionConfig())
-    (model,) = build_model_chunks(cfg, tcfg, "local")
-    gen = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, cfg.vocab_size, (1, 24), generator=gen)
-    positions = torch.arange(24).expand(1, 24)
-    loss = model(tokens, positions, None, labels=torch.roll(tokens, -1, 1)).float().mean()
-    loss.backward()
-    grads = {n: (p.main_grad if hasattr(p, "main_grad") else p.grad).clone()
-             for n, p in model.named_parameters() if p.requires_grad}
-    return loss.detach(), grads
+    return loss_and_grads(cfg, ParallelConfig(apply_rope_fusion=fused), PrecisionConfig(), batch=1, seq=24)
 
 
 def _collect() -> dict:

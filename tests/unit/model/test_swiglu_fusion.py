@@ -10,12 +10,11 @@ from pretrain.config.schema import PrecisionConfig
 
 
 def _loss_and_grads(fused: bool, calls: dict, monkeypatch):
-    from megatron.core import tensor_parallel
     from megatron.core.transformer import mlp
 
     from model_providers.glm5.model.config import to_transformer_config
-    from model_providers.glm5.model.provider import build_model_chunks
     from parallel.config import ParallelConfig
+    from tests.support.one_step import loss_and_grads
 
     monkeypatch.undo()  # the other run's counters
     for name in ("bias_swiglu_impl", "weighted_bias_swiglu_impl"):
@@ -26,19 +25,9 @@ def _loss_and_grads(fused: bool, calls: dict, monkeypatch):
             return _real(*args, **kwargs)
 
         monkeypatch.setattr(mlp, name, counted)
-    cfg = GLM5Config()
-    torch.manual_seed(3)
-    tensor_parallel.model_parallel_cuda_manual_seed(3)
-    tcfg = to_transformer_config(cfg, ParallelConfig(bias_activation_fusion=fused), PrecisionConfig())
-    assert tcfg.bias_activation_fusion is fused
-    (model,) = build_model_chunks(cfg, tcfg, "local")
-    gen = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, cfg.vocab_size, (2, 48), generator=gen)
-    positions = torch.arange(48).expand(2, 48)
-    loss = model(tokens, positions, None, labels=torch.roll(tokens, -1, 1)).float().mean()
-    loss.backward()
-    return loss.detach(), {n: p.main_grad.clone() if hasattr(p, "main_grad") else p.grad.clone()
-                           for n, p in model.named_parameters() if p.requires_grad}
+    par = ParallelConfig(bias_activation_fusion=fused)
+    assert to_transformer_config(GLM5Config(), par, PrecisionConfig()).bias_activation_fusion is fused
+    return loss_and_grads(GLM5Config(), par, PrecisionConfig(), batch=2, seq=48)
 
 
 def test_fused_swiglu_trains_like_the_unfused_one(one_rank, monkeypatch):
