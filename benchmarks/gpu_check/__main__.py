@@ -18,7 +18,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from benchmarks.gpu_check import __doc__ as DOC  # noqa: E402
-from benchmarks.gpu_check.common import KERNEL_MODULES, RESULTS_DIR, environment  # noqa: E402
+from benchmarks.gpu_check.common import KERNEL_MODULES, RESULTS_DIR, environment, ieee_fp32_matmuls  # noqa: E402
 from benchmarks.gpu_check.kernels import (_sparse_shapes, flash_sdpa, kernel_document_attention,  # noqa: E402
                                           kernel_indexer, kernel_indexer_kl, kernel_sparse_mla)
 from benchmarks.gpu_check.slice import run_slice  # noqa: E402
@@ -100,7 +100,7 @@ def main(argv=None) -> int:
     path = args.json or _default_json(dev)
     report = {"environment": environment(dev)}
     if dev == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = False
+        ieee_fp32_matmuls()
 
     def interpreter_bf16():  # the interpreter's bf16 dot/cast made the GPU's (tests' support)
         if dev == "cpu":

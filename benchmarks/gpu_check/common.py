@@ -40,6 +40,13 @@ def environment(device: str) -> dict:
     return env
 
 
+def ieee_fp32_matmuls() -> None:
+    """fp32 matmuls in IEEE fp32 (references and timings), set through the legacy flag, as the
+    model's own TF32 scope is (:func:`model_providers.glm5.model.dsa.kl._tf32_matmuls`): torch
+    keeps its legacy and per-backend TF32 states in agreement only when one API sets both."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+
+
 def _rel(a, b) -> float:
     a, b = a.detach().double(), b.detach().double()
     return float((a - b).norm() / b.norm().clamp_min(1e-30))

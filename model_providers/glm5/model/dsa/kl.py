@@ -60,16 +60,21 @@ def tensor_core_operand(x: torch.Tensor, truncate: bool = False) -> torch.Tensor
 @contextlib.contextmanager
 def _tf32_matmuls():
     """fp32 matmuls on CUDA inside run on TF32 tensor cores; the previous setting comes back
-    after. The per-backend attribute is saved and restored as it was, so code that reads or sets
-    the legacy ``allow_tf32`` flag sees what it saw before (torch refuses to read a mix of the
-    legacy and new APIs)."""
+    after. Set through the legacy ``allow_tf32`` flag: its setter keeps torch's two TF32 states
+    (the legacy matmul precision and the per-backend ``fp32_precision``) in agreement, whereas
+    setting ``matmul.fp32_precision`` alone leaves them disagreeing, and then every getter that
+    compares them raises "you have used mix of the legacy and new APIs" -- cuBLAS's own
+    ``allowTF32CuBLAS`` among them, at the first fp32 matmul. The per-backend value is put back
+    too (it may have been ``none``, which the legacy setter would leave as ``ieee``)."""
     matmul = torch.backends.cuda.matmul
-    before = matmul.fp32_precision
-    matmul.fp32_precision = "tf32"
+    allowed, precision = matmul.allow_tf32, matmul.fp32_precision  # raises if the caller mixed
+    matmul.allow_tf32 = True
     try:
         yield
     finally:
-        matmul.fp32_precision = before
+        matmul.allow_tf32 = allowed
+        if matmul.fp32_precision != precision:
+            matmul.fp32_precision = precision
 
 
 class _Gemms:
