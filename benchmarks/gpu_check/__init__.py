@@ -16,11 +16,17 @@ prints a table of:
    fp8 and bf16, the fused indexer KL, packed-document dense attention. A kernel module that does
    not import is a failed entry carrying the import error;
 4. ``slice_dense_4k`` / ``slice_sparse_32k``: a real-width GLM-5 slice -- ``conf/model/glm5_744b``
-   with 2 MoE layers of 32 of the 256 experts (one EP8 rank's share), no MTP, bf16, built by the
-   model provider from the composed Hydra config -- forward + backward of one sequence at 4K
-   (DSA dense) and 32K (sparse): time, TFLOP/s (``counting.flops``' exact count), peak memory, and
-   the planner's prediction for the same run config (``planner.step_time`` on a one-GPU layout of
-   the node's cluster preset: its step time less the optimizer step and DP time).
+   with 2 MoE layers of 16 of the 256 experts (one EP16 rank's share, ``slice.SLICE_EXPERTS``), no
+   MTP, bf16, built by the model provider from the composed Hydra config -- forward + backward of
+   one sequence at 4K (DSA dense) and 32K (sparse): time, TFLOP/s (``counting.flops``' exact
+   count), peak memory, and the planner's prediction for the same run config next to each
+   (``planner.step_time`` on a one-GPU layout of the node's cluster preset: its step time less
+   the optimizer step and DP time; its peak memory: weights, gradients and activations).
+
+The JSON is rewritten (atomically) after every part, so a run killed at its time limit leaves
+every finished part; ``--budget-s N`` skips, and records as skipped, a part whose estimate
+(``ESTIMATE_S``) exceeds the time left. ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``
+is set unless the environment sets it.
 
 ``--device cpu`` runs the same code at small sizes: the strict CUDA emulation for the training
 steps, the Triton kernels in the interpreter (``TRITON_INTERPRET=1``, set here before any kernel
