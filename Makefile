@@ -10,7 +10,7 @@ ARGS   ?=
 # shared runs (parity references, the Slurm cluster) made once
 WORKERS ?= -n 2 --dist loadfile
 
-.PHONY: run test test-quick bench gpu-check
+.PHONY: run test test-quick bench gpu-check gpu-wheels
 
 # Bytecode: pip compiles module by module on one core (41 s of a 90 s install on 2 cores), so it
 # installs with --no-compile and compileall then writes every .pyc on all cores (16 s). The .pyc
@@ -39,9 +39,17 @@ test-quick: $(STAMP)
 bench: $(STAMP)
 	$(PY) benchmarks/throughput.py
 
-# the one command for a fresh GPU node (<= 8 minutes on an H200): environment, the tiny GLM-5 in
-# dense / warm-up / sparse DSA mode, every Triton kernel against its reference and flash SDPA,
-# a real-width GLM-5 slice against the planner; writes benchmarks/results/gpu-<date>-<gpu>.json
-# (ARGS="--device cpu" runs it on CPU: emulation + Triton interpreter)
-gpu-check: $(STAMP)
-	$(PY) -m benchmarks.gpu_check $(ARGS)
+# GPU nodes (docs/gpus.md). `make gpu-wheels PYTHON_VERSION=3.12` (where a package index is
+# reachable): wheels/ holds what the GPU path needs that a CUDA PyTorch image lacks, for the node's
+# Python. `make gpu-check` (on the node, no index): the machine's own Python (GPU_PYTHON) with its
+# torch, Triton and numpy, the rest from wheels/ into .gpu-packages, then the one GPU check --
+# environment, the tiny GLM-5 in dense / warm-up / sparse DSA mode, every Triton kernel against
+# its reference and flash SDPA, a real-width GLM-5 slice against the planner (<= 8 minutes on an
+# H200); ARGS="--json PATH --budget-s N", ARGS="--device cpu" for the emulation and interpreter
+PYTHON_VERSION ?= 3.12
+GPU_PYTHON     ?= python3
+gpu-wheels:
+	$(PYTHON) -m benchmarks.gpu_check.wheelhouse --python-version $(PYTHON_VERSION)
+
+gpu-check:
+	$(GPU_PYTHON) -m benchmarks.gpu_check.node $(ARGS)
