@@ -12,7 +12,10 @@ keeps track of which tensors would live on the GPU and raises what CUDA raises:
   ``torch.zeros(n, device=x.device)`` follows ``x`` as on a GPU.
 - **Mixing**: an op given device tensors and a host tensor of one or more dimensions raises
   "Expected all tensors to be on the same device", naming the op (0-dim host tensors are scalars,
-  as on CUDA; copies and indexing with host indices are allowed, as on CUDA).
+  as on CUDA; copies are allowed, as on CUDA). Indexing follows CUDA's own rules
+  (:func:`_check_indexing`): a device tensor takes host indices, a host tensor refuses device
+  indices, and ``index_put_`` writes into a device tensor only device values or a 0-dim host
+  scalar.
 - **Collectives** on a group that would be NCCL on GPUs (every group not created with
   ``backend="gloo"``) raise for host tensors, as NCCL does.
 - **Host syncs** on device tensors (``.item()``, ``bool()`` / ``int()`` / ``float()``,
@@ -37,9 +40,10 @@ _host_syncs = 0
 _gloo_groups: set[str] = set()  #: names of groups created with backend="gloo": host tensors allowed
 
 #: ops that may take device and host tensors together on CUDA
-_MIXING_ALLOWED = {"aten::copy_", "aten::_to_copy", "aten::index.Tensor", "aten::index_put_",
-                   "aten::_index_put_impl_", "aten::set_", "aten::lift_fresh", "aten::detach",
+_MIXING_ALLOWED = {"aten::copy_", "aten::_to_copy", "aten::set_", "aten::lift_fresh", "aten::detach",
                    "aten::alias", "aten::_has_compatible_shallow_copy_type"}
+#: advanced indexing: (self, indices[, values]) checked by CUDA's rules, not the plain mixing rule
+_INDEXING = {"aten::index.Tensor", "aten::index_put_", "aten::index_put", "aten::_index_put_impl_"}
 #: ops whose output shape depends on the data: a device -> host sync on CUDA
 _DATA_DEPENDENT = {"aten::_local_scalar_dense", "aten::nonzero", "aten::masked_select",
                    "aten::unique_dim", "aten::_unique2", "aten::unique_consecutive",
@@ -152,7 +156,9 @@ class DeviceResidencyMode(TorchDispatchMode):
             self._check_collective(base, flat, tensors)
             return func(*args, **kwargs)
         device = [t for t in tensors if on_device(t)]
-        if device:
+        if device and name in _INDEXING:
+            _check_indexing(name, args)
+        elif device:
             host = [t for t in tensors if t.dim() > 0 and on_host(t)]
             if host and base not in _MIXING_ALLOWED and name not in _MIXING_ALLOWED:
                 raise RuntimeError(
@@ -189,6 +195,26 @@ class DeviceResidencyMode(TorchDispatchMode):
                 f"No backend type associated with device type cpu: {base} on a group that is "
                 f"NCCL on GPUs got a host tensor of shape {tuple(host[0].shape)} "
                 f"[strict CUDA emulation]")
+
+
+def _check_indexing(name: str, args) -> None:
+    """CUDA's rules for ``x[indices]`` and ``x[indices] = values`` (ATen's ``index`` and
+    ``index_put_``): indices on the host are copied to a device ``x``, but a host ``x`` refuses
+    device indices; the values written must be on ``x``'s device, or a 0-dim host scalar."""
+    self, indices = args[0], [i for i in args[1] if isinstance(i, torch.Tensor)]
+    values = args[2] if len(args) > 2 and isinstance(args[2], torch.Tensor) else None
+    if not on_device(self):
+        if any(on_device(i) for i in indices):
+            raise RuntimeError(f"indices should be either on cpu or on the same device as the indexed "
+                               f"tensor (cpu) (when checking arguments for {name}) [strict CUDA emulation]")
+        if values is not None and on_device(values):
+            raise RuntimeError(f"Expected all tensors to be on the same device, but found at least two "
+                               f"devices, cpu and cuda:0! (when checking argument values for {name}) "
+                               f"[strict CUDA emulation]")
+    elif values is not None and values.dim() > 0 and on_host(values):
+        raise RuntimeError(f"Expected all tensors to be on the same device, but found at least two devices, "
+                           f"cuda:0 and cpu! (when checking argument values for {name}: a host tensor of "
+                           f"shape {tuple(values.shape)} written into a device tensor) [strict CUDA emulation]")
 
 
 def handle_function(func, args, kwargs, call):

@@ -48,6 +48,28 @@ def test_mixing_device_and_host_raises_naming_the_op(strict):
     assert dev[torch.tensor([0, 2])].is_cuda  # host indices are allowed
 
 
+def test_indexing_mixes_follow_cuda_rules(strict):
+    """As CUDA: a device tensor takes host indices, a host tensor refuses device indices (read or
+    write), and index_put_ into a device tensor takes device values or a 0-dim host scalar."""
+    dev, host = torch.arange(4.0, device="cuda"), torch.arange(4.0)
+    dev_idx, host_idx = torch.tensor([0, 2], device="cuda"), torch.tensor([0, 2])
+    assert dev[host_idx].is_cuda and dev[dev_idx].is_cuda and not host[host_idx].is_cuda
+    with pytest.raises(RuntimeError, match=r"indices should be either on cpu or on the same device .*aten::index\.Tensor"):
+        host[dev_idx]
+    with pytest.raises(RuntimeError, match=r"indices should be either on cpu or on the same device .*aten::index_put_"):
+        host[dev_idx] = torch.ones(2)
+    with pytest.raises(RuntimeError, match=r"cpu and cuda:0! \(when checking argument values for aten::index_put_"):
+        host[host_idx] = torch.ones(2, device="cuda")
+    with pytest.raises(RuntimeError, match=r"cuda:0 and cpu! \(when checking argument values for aten::index_put_.*shape \(2,\)"):
+        dev[host_idx] = torch.ones(2)
+    with pytest.raises(RuntimeError, match=r"argument values for aten::index_put_"):
+        dev.index_put_((dev_idx,), torch.ones(2), accumulate=True)
+    dev[host_idx] = torch.tensor(5.0)  # a 0-dim host value is a scalar
+    dev[dev_idx] = torch.ones(2, device="cuda")
+    dev[torch.tensor([True, False, False, True])] = 7.0
+    assert dev.tolist() == [7.0, 1.0, 1.0, 7.0] and dev.is_cuda
+
+
 def test_host_syncs_are_counted_not_raised(strict):
     dev = torch.arange(6.0, device="cuda")
     dev.sum().item()
