@@ -161,11 +161,12 @@ def main(argv=None) -> int:
     if missing:
         print(f"error: pyproject.toml pins no version of {', '.join(missing)}", file=sys.stderr)
         return 2
-    roots = [f"{n}=={pinned[n]}" for n in GPU_PATH] + [f"torch=={pinned['torch']}"]
+    roots = [f"{n}=={pinned[n]}" for n in GPU_PATH]
     staging = tempfile.mkdtemp(prefix="wheels-", dir=os.path.dirname(os.path.abspath(args.dest)))
-    constraints = os.path.join(staging, "constraints.txt")  # every pin of pyproject.toml
+    # every pin of pyproject.toml but the image's (its CUDA torch has its own triton pin)
+    constraints = os.path.join(staging, "constraints.txt")
     with open(constraints, "w") as f:
-        f.writelines(f"{n}=={v}\n" for n, v in pinned.items())
+        f.writelines(f"{n}=={v}\n" for n, v in pinned.items() if not in_image(n))
     try:
         built: set[str] = set()
         # first without the pins (pip then names a package it finds no wheel of, which is built
@@ -185,7 +186,7 @@ def main(argv=None) -> int:
                     built.add(name)
                     print(f"building {name} from its sdist (no wheel for Python {args.python_version})")
                     build_sdist_wheel(name, constraints, args.python_version, staging)
-        needed = node_closure(items, [normalize(r.split("==")[0]) for r in roots[:-1]])
+        needed = node_closure(items, [normalize(r.split("==")[0]) for r in roots])
         reqs = [f"{i['metadata']['name']}=={i['metadata']['version']}" for i in needed]
         local = {normalize(f.split("-")[0]) for f in os.listdir(staging)}
         fetch = [r for r in reqs if normalize(r.split("==")[0]) not in local]
