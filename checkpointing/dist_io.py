@@ -205,6 +205,8 @@ def check_files(ckpt_dir: str) -> None:
 
     try:
         meta = FileSystemReader(ckpt_dir).read_metadata()
+    except CheckpointFileError:  # a class the metadata may not name (checkpointing.safe_metadata)
+        raise
     except Exception as e:  # torch raises whatever its unpickling hits
         raise CheckpointFileError(f"{os.path.join(ckpt_dir, '.metadata')} is missing or unreadable "
                           f"({type(e).__name__}: {e})") from None
@@ -260,6 +262,8 @@ def shape_mismatch(ckpt_dir: str, expected: dict[str, tuple]) -> Optional[str]:
 
     try:
         meta = FileSystemReader(ckpt_dir).read_metadata().state_dict_metadata
+    except CheckpointFileError as e:  # a class the metadata may not name (checkpointing.safe_metadata)
+        return str(e)
     except Exception as e:  # torch raises whatever its unpickling hits
         return f"{os.path.join(ckpt_dir, '.metadata')} is missing or unreadable ({type(e).__name__}: {e})"
     stored: dict[str, tuple] = {}

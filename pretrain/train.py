@@ -74,6 +74,24 @@ def _check_config_change(rc: RunConfig, stages, latest: str, state: dict, run_di
             "config changed since %s (recorded in %s): %s", latest, config_change.HISTORY, "; ".join(changes))
 
 
+def _check_checkpoint_files(latest: str) -> None:
+    """Before anything is read from it, on rank 0: the checkpoint's DCP metadata names only what
+    such metadata holds (:mod:`checkpointing.safe_metadata`) and its data files hold every byte
+    range it lists."""
+    from checkpointing.dist_io import CheckpointFileError, check_files
+
+    def check():
+        try:
+            check_files(latest)
+        except CheckpointFileError as e:
+            return str(e)
+        return None
+
+    problem = _on_rank0(check)
+    if problem:
+        raise ConfigError(f"cannot resume from {latest}", [problem])
+
+
 def _check_optimizer_layout(stage, how: str, latest: str) -> None:
     """Before any model exists: the optimizer state this stage loads from ``latest`` (all of it
     when resuming, the moments when it carries them) must be in a format its layout can load."""
@@ -149,6 +167,8 @@ def run(rc: RunConfig, config_yaml: str, changes=(), overrides=None) -> dict:
         logging.getLogger(__name__).warning(repaired)
 
     latest = checkpoint.latest_checkpoint(ckpt_dir) if rc.checkpoint.resume else None
+    if latest:
+        _check_checkpoint_files(latest)
     latest_state = checkpoint.read_train_state(latest) if latest else None
     if latest:
         _check_config_change(rc, stages, latest, latest_state, run_dir, env.rank)

@@ -57,7 +57,7 @@ def _loss(args) -> dict:
         check_files(args.checkpoint)
     tokens = torch.from_numpy(np.load(args.tokens)).long()
     if tokens.ndim != 2 or tokens.shape[1] < 2:
-        raise SystemExit(f"--tokens must be a [batch, seq>=2] int array, got shape {tuple(tokens.shape)}")
+        raise SystemExit(f"error: --tokens must be a [batch, seq>=2] int array, got shape {tuple(tokens.shape)}")
     if args.hf:
         from model_providers.glm5.hf.evaluate import hf_next_token_loss
 
@@ -73,7 +73,7 @@ def _loss(args) -> dict:
 
     cfg = config_from_common(load_common(args.checkpoint))
     if int(tokens.max()) >= cfg.vocab_size or int(tokens.min()) < 0:
-        raise SystemExit(f"--tokens ids must be in [0, {cfg.vocab_size})")
+        raise SystemExit(f"error: --tokens ids must be in [0, {cfg.vocab_size})")
     env = dist_env()
     par = ParallelConfig(tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp,
                          sequence_parallel=args.tp > 1, cpu_emulation=args.cpu_emulation)
@@ -82,7 +82,7 @@ def _loss(args) -> dict:
                                num_experts=cfg.num_experts, seq_length=tokens.shape[1],
                                micro_batch_size=1, global_batch_size=tokens.shape[0])
     if problems:
-        raise SystemExit("invalid layout for this checkpoint:\n  - " + "\n  - ".join(problems))
+        raise SystemExit("error: invalid layout for this checkpoint: " + "; ".join(problems))
     initialize(par, seed=1, env=env)
     chunks, _ = build_eval_model(cfg, par, args.dsa_mode)
     load_weights(args.checkpoint, chunks)
@@ -131,7 +131,7 @@ def main(argv=None) -> None:
     try:
         result = {"import": _import, "export": _export, "loss": _loss}[args.cmd](args)
     except _user_errors() as e:  # a wrong path or an unsupported model: the message says it all
-        raise SystemExit(str(e.args[0] if isinstance(e, KeyError) else e)) from None
+        raise SystemExit(f"error: {e.args[0] if isinstance(e, KeyError) else e}") from None
     if int(os.environ.get("RANK", "0")) == 0:
         print(json.dumps(result), flush=True)
     if owned and torch.distributed.is_initialized():

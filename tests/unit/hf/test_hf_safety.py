@@ -290,7 +290,7 @@ def test_cli_reports_user_errors_without_traceback(tiny, tmp_path):
     proc = subprocess.run([sys.executable, "-m", "model_providers.glm5.hf", "import", hf_dir, hf_dir],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 1
-    assert proc.stderr.strip() == f"OUT {hf_dir} is the source {hf_dir}: write the result to a new folder"
+    assert proc.stderr.strip() == f"error: OUT {hf_dir} is the source {hf_dir}: write the result to a new folder"
     assert proc.stdout == ""
     assert _snapshot(hf_dir) == before
 
@@ -308,4 +308,4 @@ def test_cli_reports_user_errors_without_traceback(tiny, tmp_path):
     for argv, message in cases.items():
         with pytest.raises(SystemExit) as e:
             main(["loss", *argv])
-        assert str(e.value.code).startswith(message), (argv, e.value.code)
+        assert str(e.value.code).startswith(f"error: {message}"), (argv, e.value.code)
