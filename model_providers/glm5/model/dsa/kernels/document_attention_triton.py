@@ -36,27 +36,43 @@ if HAVE_TRITON:
     import triton
     import triton.language as tl
 
-# GLM-5's dense MLA head (q/k 192 + 64 rope = 256, v 256, bf16) compiled for sm_90a without a
-# GPU (triton 3.9, ptxas resource usage): forward 64 KiB shared memory, no spills (block_n=64
-# spills 208 B a thread); dK/dV 128 KiB, 32 B of spills; dQ 96 KiB, 8 B. Not timed on a GPU yet.
+# Tiles (query rows, keys), warps, pipeline stages; not timed on a GPU yet.
 FWD_CONFIG = dict(block_m=64, block_n=32, num_warps=8, num_stages=2)
 BWD_KV_CONFIG = dict(block_m=64, block_n=32, num_warps=8, num_stages=1)
 BWD_Q_CONFIG = dict(block_m=32, block_n=64, num_warps=8, num_stages=1)
+DELTA_BLOCK_M = 64  #: rows per program of delta = rowsum(dO * O) (Triton's default warps, stages)
+#: ptxas resource use at GLM-5's dense MLA head (q/k 192 + 64 rope = 256, v 256, bf16, 64 heads,
+#: 202,752 tokens) compiled for sm_90a without a GPU (triton 3.9; ``python -m
+#: benchmarks.kernel_resources`` prints them, tests/unit/model/test_kernel_resources.py holds
+#: these numbers to the compiled kernels): registers per thread, spill stores and loads (bytes
+#: per thread), shared memory (KiB; an H100/H200 block may use 227).
+RESOURCES = {
+    "document attention forward": dict(registers=206, spill_stores=0, spill_loads=0, shared_kib=96),
+    "document attention delta": dict(registers=44, spill_stores=0, spill_loads=0, shared_kib=0.25),
+    "document attention dK/dV": dict(registers=208, spill_stores=0, spill_loads=0, shared_kib=128),
+    "document attention dQ": dict(registers=164, spill_stores=0, spill_loads=0, shared_kib=96),
+}
 LOG2E = 1.4426950408889634
 
 
 if HAVE_TRITON:
 
     @triton.jit
+    def _row_offsets(rows, stride):
+        """rows [R] x their row stride, in int64: a position's row offset in an [s, b, n, d]
+        tensor passes 2^31 within GLM-5's context (202,752 x 64 heads x 256 = 3.3e9)."""
+        return rows.to(tl.int64) * stride
+
+    @triton.jit
     def _tile(ptr, rows, row_ok, stride, offs, DIM: tl.constexpr):
         """Rows ``rows`` [R] of one (batch, head)'s [*, DIM] matrix at ``ptr`` (row stride
         ``stride``), padded to ``offs``' width with zeros."""
-        return tl.load(ptr + rows[:, None] * stride + offs[None, :],
+        return tl.load(ptr + _row_offsets(rows, stride)[:, None] + offs[None, :],
                        mask=row_ok[:, None] & (offs < DIM)[None, :], other=0.0)
 
     @triton.jit
     def _store_tile(ptr, rows, row_ok, stride, offs, DIM: tl.constexpr, value):
-        tl.store(ptr + rows[:, None] * stride + offs[None, :], value.to(ptr.dtype.element_ty),
+        tl.store(ptr + _row_offsets(rows, stride)[:, None] + offs[None, :], value.to(ptr.dtype.element_ty),
                  mask=row_ok[:, None] & (offs < DIM)[None, :])
 
     @triton.jit
@@ -264,9 +280,9 @@ class _DocumentAttention(torch.autograd.Function):
         L, scale = ctx.key_len, ctx.scale
         dims = _dims(query, value)
         delta = torch.empty_like(lse)
-        _delta_kernel[(triton.cdiv(s, 64), b * n)](
+        _delta_kernel[(triton.cdiv(s, DELTA_BLOCK_M), b * n)](
             out, grad_out, delta, *_strides(out), *_strides(grad_out), s, n, DV=dims["DV"],
-            BLOCK_DV=dims["BLOCK_DV"], BLOCK_M=64)
+            BLOCK_DV=dims["BLOCK_DV"], BLOCK_M=DELTA_BLOCK_M)
         dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (query, key, value))
         kv = BWD_KV_CONFIG
         bn = kv["block_n"]

@@ -40,6 +40,14 @@ DEFAULT_BLOCK_M = 64
 DEFAULT_BLOCK_N = 128
 DEFAULT_NUM_WARPS = 4
 DEFAULT_NUM_STAGES = 3
+#: ptxas resource use at GLM-5 shapes compiled for sm_90a without a GPU (triton 3.9; ``python -m
+#: benchmarks.kernel_resources`` prints them, tests/unit/model/test_kernel_resources.py holds these
+#: numbers to the compiled kernels): registers per thread, spill stores and loads (bytes per
+#: thread), shared memory (KiB; an H100/H200 block may use 227), at
+#: GLM-5's indexer dims (32 heads x 128), non-causal (the indexer's fp8 path on quantised keys).
+RESOURCES = {
+    "indexer fp8 (quantised keys)": dict(registers=204, spill_stores=0, spill_loads=0, shared_kib=40),
+}
 
 
 if HAVE_TRITON:

@@ -53,10 +53,18 @@ if HAVE_TRITON:
     from .sparse_mla_triton import _dot_fp32_right
 
 PARTIAL_BUDGET = 2**30  #: bytes of fp32 key-gradient partials per chunk of queries
-#: selected keys per block, warps, pipeline stages. Compiled for sm_90a without a GPU at GLM-5's
-#: indexer dims (32 heads x 128), with gradients: bf16 211 registers, no spills, 24 KiB shared
-#: memory (4 warps spilled; block_n=64 fits 8 warps too); fp32 q/k spill 224 B. Not timed yet.
+#: selected keys per block, warps, pipeline stages. Not timed on a GPU yet.
 KL_CONFIG = dict(block_n=32, num_warps=8, num_stages=2)
+#: ptxas resource use at GLM-5 shapes compiled for sm_90a without a GPU (triton 3.9; ``python -m
+#: benchmarks.kernel_resources`` prints them, tests/unit/model/test_kernel_resources.py holds these
+#: numbers to the compiled kernels): registers per thread, spill stores and loads (bytes per
+#: thread), shared memory (KiB; an H100/H200 block may use 227), at
+#: GLM-5's indexer dims (32 heads x 128, k = 2048) with gradients and a valid mask: bf16 q/k (the
+#: model's) and fp32 q/k.
+RESOURCES = {
+    "indexer KL bf16 (with gradients)": dict(registers=124, spill_stores=0, spill_loads=0, shared_kib=32.12),
+    "indexer KL fp32 (with gradients)": dict(registers=255, spill_stores=260, spill_loads=264, shared_kib=48.12),
+}
 
 
 if HAVE_TRITON:

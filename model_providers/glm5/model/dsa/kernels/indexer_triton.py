@@ -35,6 +35,16 @@ from .indexer_fp8_triton import (
     _scales_2d,
 )
 
+#: ptxas resource use at GLM-5 shapes compiled for sm_90a without a GPU (triton 3.9; ``python -m
+#: benchmarks.kernel_resources`` prints them, tests/unit/model/test_kernel_resources.py holds these
+#: numbers to the compiled kernels): registers per thread, spill stores and loads (bytes per
+#: thread), shared memory (KiB; an H100/H200 block may use 227), at
+#: GLM-5's indexer dims (32 heads x 128) with the default tiles (``indexer_fp8_triton.DEFAULT_*``).
+RESOURCES = {
+    "indexer logits bf16": dict(registers=248, spill_stores=0, spill_loads=0, shared_kib=80),
+    "indexer logits fp8": dict(registers=254, spill_stores=0, spill_loads=0, shared_kib=40),
+}
+
 if HAVE_TRITON:
     import triton
     import triton.language as tl

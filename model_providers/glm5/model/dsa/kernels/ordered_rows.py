@@ -22,6 +22,14 @@ if HAVE_TRITON:
 
 REDUCE_BLOCK_P = 16  #: sorted pair rows per reduction program (runs starting there are its own)
 REDUCE_BLOCK_D = 128
+#: ptxas resource use at GLM-5 shapes compiled for sm_90a without a GPU (triton 3.9; ``python -m
+#: benchmarks.kernel_resources`` prints them, tests/unit/model/test_kernel_resources.py holds these
+#: numbers to the compiled kernels): registers per thread, spill stores and loads (bytes per
+#: thread), shared memory (KiB; an H100/H200 block may use 227), for
+#: the sparse MLA backward's partial rows (576 fp32; Triton's default warps and stages).
+RESOURCES = {
+    "ordered-rows reduction": dict(registers=28, spill_stores=0, spill_loads=0, shared_kib=0),
+}
 
 
 if HAVE_TRITON:
