@@ -109,11 +109,28 @@ def latest_checkpoint(ckpt_dir: str) -> Optional[str]:
         problems.append(f"{name}: {why}")
     if not found:
         if hint is not None:
-            raise RuntimeError(f"{os.path.join(ckpt_dir, LATEST)} names {hint}, but {ckpt_dir} holds no "
-                               f"checkpoint folder: restore it, or set checkpoint.resume=false")
+            raise NoCompleteCheckpoint(f"{os.path.join(ckpt_dir, LATEST)} names {hint}, but {ckpt_dir} holds no "
+                                       f"checkpoint folder: restore it, or {START_ELSEWHERE}")
         return None
-    raise RuntimeError(f"no complete checkpoint in {ckpt_dir} ({'; '.join(problems)}); refusing to "
-                       "start from scratch over them: move them away or set checkpoint.resume=false")
+    raise NoCompleteCheckpoint(f"no complete checkpoint in {ckpt_dir} ({'; '.join(problems)}); refusing to "
+                               f"start from scratch over them: move them away, or {START_ELSEWHERE}")
+
+
+#: how to start a run that does not continue the checkpoints a run dir holds
+START_ELSEWHERE = "start the run in another folder (trainer.name=NEW or trainer.run_dir=PATH)"
+
+
+class NoCompleteCheckpoint(RuntimeError):
+    """A run dir's checkpoints that a run could only overwrite (none is complete)."""
+
+
+def holds_checkpoints(ckpt_dir: str) -> list[str]:
+    """The iteration folders (complete or not, ``.tmp`` saves too) and ``latest`` in ``ckpt_dir``:
+    what a run that does not continue them would train over."""
+    if not os.path.isdir(ckpt_dir):
+        return []
+    return sorted(d for d in os.listdir(ckpt_dir)
+                  if d == LATEST or _iter_step(d) is not None or _iter_step(d.removesuffix(".tmp")) is not None)
 
 
 def partial_saves(ckpt_dir: str) -> list[str]:

@@ -24,7 +24,8 @@ from checkpointing import backend_keys
 from parallel.megatron_compat import cpu_emulation
 
 from checkpointing.files import (  # noqa: F401 -- what a checkpoint is on disk, used with it
-    apply_retention, latest_checkpoint, resolve_init_from, save_failure, verify, write_manifest)
+    START_ELSEWHERE, NoCompleteCheckpoint, apply_retention, holds_checkpoints, latest_checkpoint,
+    resolve_init_from, save_failure, verify, write_manifest)
 
 
 #: how the distributed optimizer's state is stored. ``dp_reshardable`` (megatron's): each rank

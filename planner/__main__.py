@@ -10,6 +10,7 @@ overrides. Exit status: 0 every stage validates and fits, 1 a stage does not fit
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 
@@ -41,8 +42,18 @@ def split_arguments(argv: list[str]) -> dict:
             out["cluster_overrides"][key] = value
         elif a.startswith("plan.json="):
             out["json"] = a.split("=", 1)[1]
+            problem = _json_path_problem(out["json"])
+            if problem:
+                raise ConfigError("bad planner arguments", [problem])
         elif a.startswith("plan.min_headroom="):
-            out["min_headroom"] = float(a.split("=", 1)[1])
+            value = a.split("=", 1)[1]
+            try:
+                out["min_headroom"] = float(value)
+            except ValueError:
+                out["min_headroom"] = math.nan
+            if not 0 <= out["min_headroom"] < 1:
+                raise ConfigError("bad planner arguments", [f"plan.min_headroom={value}: the share of GPU memory "
+                                                            f"a stage leaves free, a number in [0, 1)"])
         elif a.startswith("plan.") or a.startswith("-"):
             raise ConfigError("bad planner arguments", [f"unknown planner argument {a!r}; {USAGE}"])
         else:
@@ -53,6 +64,19 @@ def split_arguments(argv: list[str]) -> dict:
         raise ConfigError("bad planner arguments",
                           [f"cluster=NAME is required (presets: {', '.join(preset_names())})"])
     return out
+
+
+def _json_path_problem(path: str) -> str | None:
+    """Why ``plan.json=path`` could not be written, checked before the plan is made."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if not path or os.path.isdir(path):
+        return f"plan.json={path}: a folder (give a file path)"
+    existing = folder
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing) or not os.access(existing, os.W_OK):
+        return f"plan.json={path}: {existing} is not a writable folder"
+    return None
 
 
 def resolve_run(overrides: list[str], world_size: int):
@@ -95,7 +119,7 @@ def main(argv: list[str]) -> int:
             raise ConfigError("bad planner arguments", [f"--stage {args['stage']!r} is not a stage of this "
                                                         f"curriculum ({', '.join(s.name for s in stages)})"])
     except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {e.brief()}", file=sys.stderr)
         return 2
     except (HydraException, OmegaConfBaseException, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)

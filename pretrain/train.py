@@ -166,20 +166,23 @@ def run(rc: RunConfig, config_yaml: str, changes=(), overrides=None) -> dict:
     if repaired and env.rank == 0:
         logging.getLogger(__name__).warning(repaired)
 
-    latest = checkpoint.latest_checkpoint(ckpt_dir) if rc.checkpoint.resume else None
+    try:
+        latest = checkpoint.latest_checkpoint(ckpt_dir) if rc.checkpoint.resume else None
+    except checkpoint.NoCompleteCheckpoint as e:
+        raise ConfigError("cannot resume", [str(e)]) from None
     if latest:
         _check_checkpoint_files(latest)
     latest_state = checkpoint.read_train_state(latest) if latest else None
-    if latest:
+    begin = where_to_begin(stages, rc.curriculum, latest_state)
+    if latest and not begin.done:
+        _check_optimizer_layout(stages[begin.stage], begin.how, latest)
+    if latest:  # the last check (an accepted change is recorded in the run dir)
         _check_config_change(rc, stages, latest, latest_state, run_dir, env.rank)
-    if env.rank == 0:
+    if env.rank == 0:  # after the last check that can refuse the launch
         with open(os.path.join(run_dir, "config.yaml"), "w") as f:
             f.write(config_yaml)
     dist.barrier()
     log_path = routing.to_file(run_dir, env.rank)
-    begin = where_to_begin(stages, rc.curriculum, latest_state)
-    if latest and not begin.done:
-        _check_optimizer_layout(stages[begin.stage], begin.how, latest)
     todo = [] if begin.done else stages[begin.stage:begin.last + 1]
     resolved = OmegaConf.to_container(OmegaConf.create(config_yaml), resolve=True)
     start_step = latest_state["step"] if latest_state else 0

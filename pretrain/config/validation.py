@@ -9,6 +9,7 @@ and values; :func:`plan_run` gathers them, prefixes each stage's with its name, 
 from __future__ import annotations
 
 import math
+import os
 
 from typing import Sequence
 
@@ -56,7 +57,11 @@ def check_run(rc: RunConfig, world_size: int, check_paths: bool = True):
     problems += check_moments(rc.optimizer, rc.parallel.distributed_optimizer)
     if t.steps < 0:
         problems.append(f"trainer.steps={t.steps} must be >= 0")
+    if not (t.name or "").strip():
+        problems.append(f"trainer.name={t.name!r} is empty: it names the run (its run dir runs/<name>, its W&B run)")
     ck = rc.checkpoint
+    if ck.keep_last < 0:
+        problems.append(f"checkpoint.keep_last={ck.keep_last} must be >= 0 (0: keep all)")
     if ck.save_every < 0:
         problems.append(f"checkpoint.save_every={ck.save_every} must be >= 0 (0: off)")
     if not math.isfinite(ck.save_every_minutes) or ck.save_every_minutes < 0:
@@ -129,6 +134,8 @@ def plan_run(rc: RunConfig, world_size: int, changes: Sequence[Change] = (), che
     of_stages = len(problems)
     problems += faults.check(rc.faults)
     problems += check_run_dir(rc.trainer.run_dir, on_this_host=check_paths)
+    if check_paths and not rc.checkpoint.resume:
+        problems += fresh_start_problems(rc.trainer.run_dir)
     source = None
     if rc.checkpoint.init_from:
         from checkpointing.state import resolve_init_from
@@ -146,6 +153,20 @@ def plan_run(rc: RunConfig, world_size: int, changes: Sequence[Change] = (), che
     if problems:  # the title names the curriculum only when its stages have a problem
         raise ConfigError("invalid curriculum" if of_stages and not implicit else "invalid run config", problems)
     return stages
+
+
+def fresh_start_problems(run_dir: str) -> list[str]:
+    """``checkpoint.resume=false`` trains from scratch: never into a run dir that holds another
+    run's checkpoints (its saves would replace them and its metrics follow theirs)."""
+    from checkpointing.state import START_ELSEWHERE, holds_checkpoints
+
+    ckpt_dir = os.path.join(run_dir, "checkpoints")
+    held = holds_checkpoints(ckpt_dir)
+    if not held:
+        return []
+    shown = ", ".join(held[:3]) + (f" and {len(held) - 3} more" if len(held) > 3 else "")
+    return [f"checkpoint.resume=false: trainer.run_dir={run_dir} holds checkpoints ({shown} in {ckpt_dir}) "
+            f"that a fresh run would overwrite; {START_ELSEWHERE}, or continue them (checkpoint.resume=true)"]
 
 
 def checkpoint_shapes(rc: RunConfig) -> dict[str, tuple]:

@@ -48,6 +48,15 @@ def _loss(args) -> dict:
     from model_providers.glm5.hf import paths as hf_paths
     if not os.path.isfile(args.tokens):
         raise hf_paths.HFPathError(f"--tokens {args.tokens} does not exist")
+    try:
+        array = np.load(args.tokens)  # allow_pickle=False: an object array is refused, not run
+    except (ValueError, OSError) as e:
+        raise SystemExit(f"error: --tokens {args.tokens} is not a numpy integer array ({e})") from None
+    if array.dtype.kind not in "iu":  # a float array would be truncated to other token ids
+        raise SystemExit(f"error: --tokens {args.tokens} holds {array.dtype} values: token ids must be an integer array")
+    tokens = torch.from_numpy(array).long()
+    if tokens.ndim != 2 or tokens.shape[1] < 2:
+        raise SystemExit(f"error: --tokens must be a [batch, seq>=2] int array, got shape {tuple(tokens.shape)}")
     if args.hf:
         hf_paths.check_hf_dir(args.hf)
     else:
@@ -55,9 +64,6 @@ def _loss(args) -> dict:
 
         hf_paths.check_checkpoint_dir(args.checkpoint)
         check_files(args.checkpoint)
-    tokens = torch.from_numpy(np.load(args.tokens)).long()
-    if tokens.ndim != 2 or tokens.shape[1] < 2:
-        raise SystemExit(f"error: --tokens must be a [batch, seq>=2] int array, got shape {tuple(tokens.shape)}")
     if args.hf:
         from model_providers.glm5.hf.evaluate import hf_next_token_loss
 

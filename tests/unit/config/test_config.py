@@ -334,3 +334,22 @@ def test_fp8_with_cuda_needs_transformer_engine_at_launch(monkeypatch, have_te):
         return
     with pytest.raises(ConfigError, match="precision.fp8=blockwise needs CUDA and Transformer Engine$"):
         check_machine(stages)
+
+
+def test_keep_last_and_the_run_name_are_checked():
+    e = _invalid(_rc("checkpoint.keep_last=-3", "trainer.name="))
+    assert "checkpoint.keep_last=-3 must be >= 0 (0: keep all)" in str(e.value)
+    assert "trainer.name='' is empty" in str(e.value)
+
+
+def test_a_fresh_start_never_trains_over_another_runs_checkpoints(tmp_path):
+    from tests.support.checkpoints import fake_checkpoint
+
+    run_dir = tmp_path / "run"
+    fake_checkpoint(run_dir / "checkpoints", 4)
+    e = _invalid(_rc(f"trainer.run_dir={run_dir}", "checkpoint.resume=false"))
+    assert (f"checkpoint.resume=false: trainer.run_dir={run_dir} holds checkpoints (iter_0000004, latest in "
+            f"{run_dir}/checkpoints) that a fresh run would overwrite; start the run in another folder "
+            f"(trainer.name=NEW or trainer.run_dir=PATH)") in str(e.value)
+    validate(_rc(f"trainer.run_dir={tmp_path / 'new'}", "checkpoint.resume=false"), 1)
+    validate(_rc(f"trainer.run_dir={run_dir}"), 1)  # resuming them is what the folder is for

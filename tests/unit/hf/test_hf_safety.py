@@ -309,3 +309,17 @@ def test_cli_reports_user_errors_without_traceback(tiny, tmp_path):
         with pytest.raises(SystemExit) as e:
             main(["loss", *argv])
         assert str(e.value.code).startswith(f"error: {message}"), (argv, e.value.code)
+
+
+def test_loss_refuses_tokens_that_are_not_integer_ids(tmp_path):
+    """Before any checkpoint or model: float ids would be truncated to other tokens; an object
+    array is refused unread (no pickle)."""
+    from model_providers.glm5.hf.cli import main
+
+    np.save(tmp_path / "f.npy", np.full((1, 8), 3.7))
+    np.save(tmp_path / "o.npy", np.array([[object()]], dtype=object), allow_pickle=True)
+    for name, message in (("f.npy", "holds float64 values: token ids must be an integer array"),
+                          ("o.npy", "is not a numpy integer array")):
+        with pytest.raises(SystemExit) as e:
+            main(["loss", "--checkpoint", str(tmp_path / "none"), "--tokens", str(tmp_path / name)])
+        assert str(e.value.code).startswith(f"error: --tokens {tmp_path / name}") and message in str(e.value.code)

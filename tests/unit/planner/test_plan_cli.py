@@ -124,3 +124,15 @@ def test_search_candidates_state_every_speed_feature():
     plain_full = next(c for c in cands if c.recompute == "full" and not c.parallel["overlap_moe_expert_parallel_comm"])
     text = preset_yaml([("a", overlap), ("b", plain_full)], type("C", (), dict(name="x", nodes=1, world_size=8)), {})
     assert "overlap_moe_expert_parallel_comm: false" in text.splitlines()[-1], text
+
+
+@pytest.mark.parametrize("argument, message", [
+    ("plan.min_headroom=-5", "plan.min_headroom=-5: the share of GPU memory a stage leaves free, a number in [0, 1)"),
+    ("plan.min_headroom=1", "plan.min_headroom=1: the share"),
+    ("plan.min_headroom=nan", "plan.min_headroom=nan: the share"),
+    ("plan.json=.", "plan.json=.: a folder (give a file path)"),
+])
+def test_planner_arguments_are_checked_before_the_plan(capsys, argument, message):
+    code, out, err = plan(capsys, *TINY, "cluster=h100_80gb", argument)
+    assert code == 2 and err.startswith("error: ") and message in err and err.count("\n") == 1, err
+    assert out == ""

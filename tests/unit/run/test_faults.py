@@ -124,5 +124,5 @@ def test_no_checkpoint_and_all_damaged(tmp_path):
     folder = fake_checkpoint(tmp_path, 2)
     (folder / "common.pt").unlink()
     with pytest.raises(RuntimeError, match=r"no complete checkpoint .*iter_0000002: common.pt is missing"
-                                           r".*checkpoint.resume=false"):
+                                           r".*move them away, or start the run in another folder"):
         checkpoint.latest_checkpoint(str(tmp_path))
