@@ -27,7 +27,7 @@ from model_providers.glm5.hf import paths as hf_paths
 from model_providers.glm5.model.config import GLM5Config, PrecisionConfig, to_transformer_config
 from model_providers.glm5.hf.config import PASSTHROUGH, glm5_from_hf, hf_from_glm5
 from model_providers.glm5.hf.mapping import (
-    FP32_TENSORS, MTP_COPIES, TOP_COPIES, VOCAB_ROWS, HFReader, ShardWriter, group_of, hf_names)
+    FP32_TENSORS, MTP_COPIES, TOP_COPIES, VOCAB_ROWS, HFReader, HFTensorError, ShardWriter, group_of, hf_names)
 
 MODEL_YAML = "glm5_model.yaml"  #: written next to an import: the GLM5Config (Hydra ``model``)
 COMMON_MODEL = "glm5_model"  #: common.pt key: the GLM5Config as JSON
@@ -139,6 +139,27 @@ def _check_sources(reader: HFReader, sources: dict, cfg: GLM5Config, hf_dir: str
     return initialised
 
 
+def _check_shapes(reader: HFReader, sources: dict, shapes: dict, initialised: list) -> None:
+    """Every megatron tensor's HF parts (concatenated along rows; the vocabulary rows padded)
+    have its shape, from the shard headers: a mismatch is named before anything is written."""
+    bad = []
+    for name, expected in shapes.items():
+        if name in initialised:
+            continue
+        parts = [reader.shape(h) for h in sources[name]]
+        shape = parts[0] if len(parts) == 1 else (sum(p[0] for p in parts), *parts[0][1:])
+        if any(tuple(p[1:]) != tuple(parts[0][1:]) for p in parts):
+            shape = tuple(parts)
+        elif name in VOCAB_ROWS and shape and shape[0] < expected[0]:
+            shape = (expected[0], *shape[1:])
+        if tuple(shape) != tuple(expected):
+            stored = " + ".join(f"{h} {tuple(p)}" for h, p in zip(sources[name], parts))
+            bad.append(f"{name} <- {stored}, expected {tuple(expected)}")
+    if bad:
+        raise HFTensorError(f"{len(bad)} tensors in {reader.path} do not have the shapes config.json gives: "
+                            + "; ".join(bad[:3]))
+
+
 def import_hf(hf_dir: str, out_dir: str, mtp_num_steps: int = 3, dtype: torch.dtype | None = None,
               seed: int = 1234, **training_fields) -> dict:
     """HF checkpoint -> megatron dist checkpoint at ``out_dir`` (absent or empty; staged and
@@ -152,12 +173,14 @@ def import_hf(hf_dir: str, out_dir: str, mtp_num_steps: int = 3, dtype: torch.dt
     hf_cfg = GlmMoeDsaConfig.from_pretrained(hf_dir)
     cfg = glm5_from_hf(hf_cfg, mtp_num_steps=mtp_num_steps, **training_fields)
     reader = HFReader(hf_dir)
+    reader.check_dtypes()
     sharded = meta_model(cfg).sharded_state_dict()
     chunks, objects = dist_io.plan_chunks(sharded)
     names = list(dict.fromkeys(c.name for c in chunks))
     shapes = {n: tuple(sharded[n].data.shape) for n in names}
     sources = {n: hf_names(n, cfg.num_layers) for n in names}
     initialised = _check_sources(reader, sources, cfg, hf_dir)
+    _check_shapes(reader, sources, shapes, initialised)
     main_dtype = reader.dtype("model.embed_tokens.weight")
     stored = {n: main_dtype if n in initialised else reader.dtype(sources[n][0]) for n in names}
     dtypes = {n: cast_dtype(n, d, dtype) for n, d in stored.items()}

@@ -101,6 +101,15 @@ def group_of(name: str) -> str:
     return "mtp" if name.startswith("mtp.") else name
 
 
+#: the dtypes GLM-5's weights are stored in (safetensors codes): an integer or other tensor
+#: would be converted on import into numbers that are not the model's
+WEIGHT_DTYPES = ("F32", "BF16", "F16")
+
+
+class HFTensorError(HFPathError):
+    """A stored tensor of a dtype or shape the model does not take."""
+
+
 class HFReader:
     """Reads single tensors from an HF safetensors checkpoint (one shard or an index). Each read
     maps its shard only for that read, so nothing else of the model stays resident. Fused
@@ -182,7 +191,38 @@ class HFReader:
     def dtype(self, name: str) -> torch.dtype:
         fused = self._fused(name) if name not in self.where else None
         code = self._slice_info(fused[0] if fused else name)[0]
+        if code not in _DTYPES:
+            raise HFTensorError(f"{name} in {self.path} is stored as {code}, not a weight dtype ({', '.join(WEIGHT_DTYPES)})")
         return _DTYPES[code]
+
+    def shape(self, name: str) -> tuple:
+        """The stored shape of ``name`` (a fused expert tensor's per-expert part for its names)."""
+        fused = self._fused(name) if name not in self.where else None
+        if not fused:
+            return self._slice_info(name)[1]
+        source, _, kind = fused
+        _, rows, cols = self._slice_info(source)[1]
+        return (rows, cols) if kind == "down" else (rows // 2, cols)
+
+    def check_dtypes(self) -> None:
+        """Every stored tensor in one of :data:`WEIGHT_DTYPES`, each shard's header read once (before
+        any model is built or tensor read)."""
+        by_shard: dict[str, list] = {}
+        for name, shard in self.where.items():
+            if name not in self._meta:
+                by_shard.setdefault(shard, []).append(name)
+        from safetensors import safe_open
+
+        for shard, names in by_shard.items():
+            with self._reading(shard), safe_open(os.path.join(self.path, shard), "pt") as f:
+                for name in names:
+                    s = f.get_slice(name)
+                    self._meta[name] = (s.get_dtype(), tuple(s.get_shape()))
+        bad = sorted((n, m[0]) for n, m in self._meta.items() if n in self.where and m[0] not in WEIGHT_DTYPES)
+        if bad:
+            shown = ", ".join(f"{n} ({code})" for n, code in bad[:5])
+            raise HFTensorError(f"{len(bad)} tensors in {self.path} are not stored as a weight dtype "
+                                f"({', '.join(WEIGHT_DTYPES)}): {shown}")
 
     def get(self, name: str) -> torch.Tensor:
         from safetensors import safe_open

@@ -6,6 +6,7 @@ before the model is built, and the CLI prints them without a traceback."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -323,3 +324,37 @@ def test_loss_refuses_tokens_that_are_not_integer_ids(tmp_path):
         with pytest.raises(SystemExit) as e:
             main(["loss", "--checkpoint", str(tmp_path / "none"), "--tokens", str(tmp_path / name)])
         assert str(e.value.code).startswith(f"error: --tokens {tmp_path / name}") and message in str(e.value.code)
+
+
+def _rewrite_one_tensor(src, change) -> str:
+    """Copy of a shard of ``src`` with its first tensor replaced by ``change(tensor)``."""
+    from safetensors.torch import load_file, save_file
+
+    shard = sorted(p for p in os.listdir(src) if p.endswith(".safetensors"))[3]
+    tensors = load_file(os.path.join(src, shard))
+    name = sorted(tensors)[0]
+    tensors[name] = change(tensors[name])
+    save_file(tensors, os.path.join(src, shard), metadata={"format": "pt"})
+    return name
+
+
+def test_a_tensor_of_another_dtype_is_refused_before_the_model(tiny, tmp_path, no_model_build):
+    _, hf_dir, _ = tiny
+    src = tmp_path / "hf"
+    shutil.copytree(hf_dir, src)
+    name = _rewrite_one_tensor(src, lambda t: t.to(torch.int8))
+    with pytest.raises(HFPathError, match=rf"1 tensors in {src} are not stored as a weight dtype "
+                                          rf"\(F32, BF16, F16\): {re.escape(name)} \(I8\)"):
+        _import(src, tmp_path / "out")
+    assert sorted(os.listdir(tmp_path)) == ["hf"]
+
+
+def test_a_tensor_of_another_shape_is_refused_before_writing(tiny, tmp_path):
+    _, hf_dir, _ = tiny
+    src = tmp_path / "hf"
+    shutil.copytree(hf_dir, src)
+    name = _rewrite_one_tensor(src, lambda t: t[..., :-1].contiguous())
+    with pytest.raises(HFPathError, match=rf"1 tensors in {src} do not have the shapes config\.json gives: "
+                                          rf".* <- .*{re.escape(name)} \(\d+, \d+\).*, expected \(\d+, \d+\)"):
+        _import(src, tmp_path / "out")
+    assert sorted(os.listdir(tmp_path)) == ["hf"]
