@@ -10,7 +10,6 @@ import json
 import os
 import pickle
 import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -76,26 +75,41 @@ def _one_error_line(proc, folder: str) -> None:
 
 
 @pytest.mark.heavy
-def test_every_path_that_opens_a_checkpoint_refuses_a_crafted_metadata(tmp_path):
+def test_resume_refuses_a_crafted_metadata_in_one_line(tmp_path):
+    """The run: its latest checkpoint's metadata is checked on rank 0 before anything is read
+    from it or written to the run dir."""
     marker = tmp_path / "ran"
-    crafted = _crafted_checkpoint(tmp_path / "crafted", marker)
-    run_dir = tmp_path / "run"  # resume: the run dir's latest checkpoint is the crafted one
+    run_dir = tmp_path / "run"
     resumed = _crafted_checkpoint(run_dir / "checkpoints" / "iter_0000002", marker)
     (run_dir / "checkpoints" / "latest").write_text("iter_0000002")
     before = sorted(os.listdir(resumed))
-    np.save(tmp_path / "ids.npy", np.zeros((1, 8), dtype=np.int64))
-    env = train_env(1)
-    runs = {
-        resumed: train_command([*QUIET, f"trainer.run_dir={run_dir}", "trainer.steps=3"]),
-        crafted: train_command([*QUIET, f"trainer.run_dir={tmp_path / 'fresh'}", "trainer.steps=3",
-                                f"checkpoint.init_from={crafted}"]),
-    }
-    hf = [sys.executable, "-m", "model_providers.glm5.hf"]
-    for folder, argv in [*runs.items(), (crafted, [*hf, "export", crafted, str(tmp_path / "hf")]),
-                         (crafted, [*hf, "loss", "--checkpoint", crafted, "--tokens", str(tmp_path / "ids.npy")])]:
-        proc = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-        _one_error_line(proc, folder)
-    assert not marker.exists()
-    assert sorted(os.listdir(resumed)) == before and not (tmp_path / "hf").exists()
+    proc = subprocess.run(train_command([*QUIET, f"trainer.run_dir={run_dir}", "trainer.steps=3"]), cwd=REPO,
+                          env=train_env(1), capture_output=True, text=True, timeout=300)
+    _one_error_line(proc, resumed)
+    assert not marker.exists() and sorted(os.listdir(resumed)) == before
     assert not (run_dir / "config.yaml").exists() and not (run_dir / "metrics.jsonl").exists()
-    assert not (tmp_path / "fresh").exists()
+
+
+def test_init_from_and_the_hf_tool_refuse_a_crafted_metadata(tmp_path):
+    """``checkpoint.init_from`` at validation (before the run dir exists), ``hf export`` and
+    ``hf loss``: the same refusal, as their one error line."""
+    from model_providers.glm5.hf.cli import main as hf_main
+    from pretrain.config.errors import ConfigError
+    from pretrain.config.schema import compose, to_run_config
+    from pretrain.config.validation import plan_run
+
+    marker = tmp_path / "ran"
+    crafted = _crafted_checkpoint(tmp_path / "crafted", marker)
+    refusal = f"{crafted}/.metadata names posix.system, which a checkpoint's metadata never holds"
+    rc = to_run_config(compose([*QUIET, f"trainer.run_dir={tmp_path / 'fresh'}", f"checkpoint.init_from={crafted}"]))
+    with pytest.raises(ConfigError) as e:
+        plan_run(rc, 1)
+    assert e.value.problems == [f"checkpoint.init_from={crafted}: {refusal}: refused without running it "
+                                f"(the file was not written by torch's checkpoint writer)"]
+    np.save(tmp_path / "ids.npy", np.zeros((1, 8), dtype=np.int64))
+    for argv in (["export", crafted, str(tmp_path / "hf")],
+                 ["loss", "--checkpoint", crafted, "--tokens", str(tmp_path / "ids.npy")]):
+        with pytest.raises(SystemExit) as e:
+            hf_main(argv)
+        assert str(e.value.code).startswith(f"error: {refusal}"), (argv, e.value.code)
+    assert not marker.exists() and not (tmp_path / "hf").exists() and not (tmp_path / "fresh").exists()
