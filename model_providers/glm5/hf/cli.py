@@ -58,25 +58,21 @@ def _loss(args) -> dict:
     if tokens.ndim != 2 or tokens.shape[1] < 2:
         raise SystemExit(f"error: --tokens must be a [batch, seq>=2] int array, got shape {tuple(tokens.shape)}")
     if args.hf:
-        hf_paths.check_hf_dir(args.hf)
-    else:
-        from checkpointing.dist_io import check_files
-
-        hf_paths.check_checkpoint_dir(args.checkpoint)
-        check_files(args.checkpoint)
-    if args.hf:
         from model_providers.glm5.hf.evaluate import hf_next_token_loss
 
+        hf_paths.check_hf_dir(args.hf)
         loss, n = hf_next_token_loss(args.hf, tokens)
         return {"loss": loss, "tokens": n}
     from megatron.core import parallel_state
 
-    from checkpointing.dist_io import load_common
+    from checkpointing.dist_io import check_files, load_common
     from model_providers.glm5.hf.convert import config_from_common
     from model_providers.glm5.hf.evaluate import build_eval_model, load_weights, next_token_loss
     from parallel.config import ParallelConfig, check_layout
     from parallel.initialize import dist_env, initialize
 
+    hf_paths.check_checkpoint_dir(args.checkpoint)
+    check_files(args.checkpoint)
     cfg = config_from_common(load_common(args.checkpoint))
     if int(tokens.max()) >= cfg.vocab_size or int(tokens.min()) < 0:
         raise SystemExit(f"error: --tokens ids must be in [0, {cfg.vocab_size})")

@@ -52,10 +52,8 @@ def test_dcp_metadata_loads_and_a_payload_is_refused_unrun(tmp_path):
     from torch.distributed.checkpoint import save as dcp_save
 
     sd = {"w": torch.randn(4, 3).bfloat16(), "b": torch.arange(5), "extra": {"step": 3}}
-    dcp_save(sd, checkpoint_id=str(tmp_path / "ok"), no_dist=True)
-    with open(tmp_path / "ok" / ".metadata", "rb") as f:
-        plain = pickle.load(f)
-    assert FileSystemReader(str(tmp_path / "ok")).read_metadata().state_dict_metadata == plain.state_dict_metadata
+    written = dcp_save(sd, checkpoint_id=str(tmp_path / "ok"), no_dist=True)  # the Metadata it pickled
+    assert FileSystemReader(str(tmp_path / "ok")).read_metadata().state_dict_metadata == written.state_dict_metadata
 
     marker = tmp_path / "ran"
     folder = _crafted_checkpoint(tmp_path / "bad", marker)
