@@ -88,6 +88,7 @@ class Stage:
     trainable: List[str]
     data_offset: int = 0  #: samples of this stage's data stream consumed by earlier stages
     stream_samples: int = 0  #: samples the whole stream needs (every stage on it builds the same dataset)
+    continues: Optional[str] = None  #: the earlier stage whose data stream this one continues (None: its own)
 
 
     @property
@@ -316,10 +317,13 @@ def _assign_data_offsets(stages: List[Stage]) -> None:
     """Stages that read the same data stream (same data config, mixture and sequence length, so
     the same blended dataset) continue it instead of re-reading its first samples."""
     consumed: dict = {}
+    last_on: dict = {}
     for st in stages:
         key = (repr(st.rc.data), st.rc.trainer.seq_length, st.rc.trainer.seed)
         st.data_offset = consumed.get(key, 0)
+        st.continues = last_on.get(key)
         consumed[key] = st.data_offset + st.steps * st.rc.trainer.global_batch_size
+        last_on[key] = st.name
     for st in stages:
         st.stream_samples = consumed[(repr(st.rc.data), st.rc.trainer.seq_length, st.rc.trainer.seed)]
 

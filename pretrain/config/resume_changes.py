@@ -11,6 +11,20 @@ fault handling, validation, preprocessing workers (not the shard count: other sh
 another sample order) and where the data lives. Stages not yet
 begun may change too.
 
+Each begun stage's place in its data stream is compared too: ``data offset`` (the samples of
+its stream that earlier stages read, where it starts) and ``data stream continues`` (the earlier
+stage whose stream it continues, :func:`pretrain.curriculum._assign_data_offsets`). An earlier
+stage's other step count or mixture moves them; they are listed with it.
+
+The stages up to and including the checkpoint's must be the same names in the same order. A
+stage inserted, removed or moved there is refused even with ``allow_config_change``
+(:class:`CurriculumOrderChanged`): the checkpoint's weights hold what the old order trained, so
+an inserted stage would never run, a removed one would stay trained but unrecorded, every later
+stage's index (its seed: ``trainer.seed + index``) and data offset would move, and the run dir's
+history would no longer describe the run. Restore the order, or start a new run dir from the
+checkpoint (``checkpoint.init_from``). Stages after the checkpoint's may be inserted, removed or
+reordered freely.
+
 Extending a finished run (the last stage's ``steps`` / ``trainer.steps`` raised after it
 completed) is such a change: the LR schedule ended there, and with ``allow_config_change`` the
 extra steps run at the schedule's final LR (``optimizer.min_lr`` / the stage's ``lr.end``). A
@@ -25,11 +39,13 @@ import os
 import time
 from typing import Any, Optional
 
+from pretrain.config.errors import ConfigError
+
 #: run-config fields that alter the training (prefixes); EXEMPT narrows them
 ALTERS = ("model.", "precision.", "optimizer.", "scheduler.", "trainer.seq_length",
           "trainer.global_batch_size", "trainer.seed", "steps", "data.mixture", "data.active_mixture.",
           "data.active_corpora.", "data.shards_per_corpus", "data.split", "data.eod_mask_loss", "data.sample_seed",
-          "data.tokenizer.", "data.chat.")
+          "data.tokenizer.", "data.chat.", "data_offset", "data_continues")
 EXEMPT = ("model.layer_backend", "model.recompute", "model.recompute_modules",
           "scheduler.decay_steps")  # decay_steps follows the stage's steps, compared as ``steps``
 EXEMPT_CORPUS_FIELDS = ("paths",)
@@ -63,12 +79,45 @@ def _training_fields(stage) -> dict:
     flat = _flatten({"model": rc.model, "precision": rc.precision, "optimizer": rc.optimizer,
                      "scheduler": rc.scheduler, "trainer": rc.trainer, "data": data}, "", {})
     flat["steps"] = stage.steps
+    flat["data_offset"] = stage.data_offset  # where the stage starts in its data stream
+    flat["data_continues"] = stage.continues  # ... and whose stream that is
     return {k: v for k, v in flat.items()
             if k.startswith(ALTERS) and not k.startswith(EXEMPT)}
 
 
+class CurriculumOrderChanged(ConfigError):
+    """The stages up to the checkpoint's were inserted, removed or reordered: not a change
+    ``checkpoint.allow_config_change`` accepts (the module docstring says why)."""
+
+
+def order_problem(old_stages: list, new_stages: list, stage_name: str) -> Optional[str]:
+    """None when the stages up to and including ``stage_name`` keep their names and order, else
+    one line naming what was inserted, removed or moved and both orders."""
+    old_all = [s.name for s in old_stages]
+    if stage_name not in old_all:  # a checkpoint without a stage name: nothing to place it by
+        return None
+    old = old_all[:old_all.index(stage_name) + 1]
+    names = [s.name for s in new_stages]
+    new = names[:names.index(stage_name) + 1] if stage_name in names else names[:len(old)]
+    if new == old:
+        return None
+    found = {"inserted": [n for n in new if n not in old_all],
+             "moved before it": [n for n in new if n in old_all and n not in old],
+             "removed": [n for n in old if n not in names],
+             "moved after it": [n for n in old if n in names and n not in new]}
+    what = "; ".join(f"{label}: {', '.join(map(repr, ns))}" for label, ns in found.items() if ns) or "reordered"
+    return (f"the curriculum's stages up to the checkpoint's stage {stage_name!r} changed ({what}): "
+            f"{old} in the checkpoint -> {new} now; stages before or at the resumed one cannot be "
+            f"inserted, removed or moved, not even with checkpoint.allow_config_change=true (restore "
+            f"the order, or start a new run dir with checkpoint.init_from=<the checkpoint>)")
+
+
 def training_changes(old_stages: list, new_stages: list, stage_name: str, stage_step: int) -> list[str]:
-    """Each difference that alters what the checkpoint's stages (up to ``stage_name``) train."""
+    """Each difference that alters what the checkpoint's stages (up to ``stage_name``) train.
+    Raises :class:`CurriculumOrderChanged` when those stages were inserted, removed or reordered."""
+    problem = order_problem(old_stages, new_stages, stage_name)
+    if problem:
+        raise CurriculumOrderChanged("cannot resume", [problem])
     changes = []
     new_by_name = {s.name: s for s in new_stages}
     for old in old_stages:
@@ -93,6 +142,9 @@ def training_changes(old_stages: list, new_stages: list, stage_name: str, stage_
 
 
 def _name(key: str) -> str:
+    if key in ("data_offset", "data_continues"):
+        return {"data_offset": "data offset (samples of its data stream read by earlier stages)",
+                "data_continues": "data stream continues stage"}[key]
     return (key.replace("data.active_mixture.", "data.mixtures.<active>.")
                .replace("data.active_corpora.", "data.corpora."))
 

@@ -4,9 +4,13 @@ change; extending a finished schedule is named as such (issue 17, case 7)."""
 
 from __future__ import annotations
 
+import copy
+
+import pytest
+
 from pretrain.config.schema import compose, to_run_config
-from pretrain.config.resume_changes import training_changes
-from pretrain.curriculum import plan
+from pretrain.config.resume_changes import CurriculumOrderChanged, training_changes
+from pretrain.curriculum import StageConfig, StageLRConfig, plan
 
 
 def _stages(*overrides):
@@ -52,13 +56,118 @@ def test_curriculum_stages_begun_are_compared_and_later_ones_may_change():
     assert "stage 'pretrain_code_reasoning': optimizer.lr: 0.002 in the checkpoint -> 0.0001 now" in changes
     assert "stage 'extend_256': data.mixture: 'default' in the checkpoint -> 'code_reasoning' now" in changes
     assert any(c.startswith("stage 'extend_256': data.mixtures.<active>.") for c in changes)
-    gone = [s for s in _stages() if s.name != "pretrain_code_reasoning"]
-    assert training_changes(old, gone, "extend_256", 3)[0] == (
-        "stage 'pretrain_code_reasoning': the checkpoint trained this stage; the new config has no "
-        "stage of that name")
+
+
+def _reordered(edit):
+    """The tiny curriculum's stages after ``edit`` (a function of the list of StageConfig)."""
+    rc = to_run_config(compose([]))
+    rc.curriculum.stages = edit(copy.deepcopy(rc.curriculum.stages))
+    stages, problems = plan(rc)
+    assert problems == []
+    return stages
+
+
+TAIL = ("stages before or at the resumed one cannot be inserted, removed or moved, not even with "
+        "checkpoint.allow_config_change=true (restore the order, or start a new run dir with "
+        "checkpoint.init_from=<the checkpoint>)")
+BEGUN = "['pretrain_general', 'pretrain_code_reasoning', 'extend_256']"
+
+
+def _insert_warmup(stages):
+    stages.insert(1, StageConfig(name="warm_128", steps=2, seq_length=128, global_batch_size=16,
+                                  lr=StageLRConfig(warmup_steps=0)))
+    return stages
+
+
+@pytest.mark.parametrize("edit, message", [
+    (_insert_warmup,  # same stream as pretrain_general: every later offset on it would move too
+     f"(inserted: 'warm_128'): {BEGUN} in the checkpoint -> "
+     "['pretrain_general', 'warm_128', 'pretrain_code_reasoning', 'extend_256'] now; "),
+    (lambda st: [s for s in st if s.name != "pretrain_code_reasoning"],
+     f"(removed: 'pretrain_code_reasoning'): {BEGUN} in the checkpoint -> "
+     "['pretrain_general', 'extend_256'] now; "),
+    (lambda st: [st[1], st[0]] + st[2:],
+     f"(reordered): {BEGUN} in the checkpoint -> "
+     "['pretrain_code_reasoning', 'pretrain_general', 'extend_256'] now; "),
+    (lambda st: [st[0], st[2], st[1]] + st[3:],  # the checkpoint's own stage moved earlier
+     f"(moved after it: 'pretrain_code_reasoning'): {BEGUN} in the checkpoint -> "
+     "['pretrain_general', 'extend_256'] now; "),
+    (lambda st: [st[0], st[3], st[1], st[2]] + st[4:],  # a stage not yet begun moved before it
+     f"(moved before it: 'extend_512'): {BEGUN} in the checkpoint -> "
+     "['pretrain_general', 'extend_512', 'pretrain_code_reasoning', 'extend_256'] now; "),
+], ids=["insert-before", "remove-before", "reorder-before", "move-resumed-stage", "move-later-before"])
+def test_stages_before_the_resumed_one_keep_their_order(edit, message):
+    """Inserted, removed or moved before (or at) the checkpoint's stage: one line naming the
+    stages and both orders; an error that allow_config_change does not accept."""
+    with pytest.raises(CurriculumOrderChanged) as e:
+        training_changes(_stages(), _reordered(edit), "extend_256", 3)
+    assert e.value.brief() == ("cannot resume: the curriculum's stages up to the checkpoint's stage "
+                               f"'extend_256' changed {message}{TAIL}")
+
+
+def test_stages_after_the_resumed_one_may_be_added_removed_or_moved():
+    old = _stages()
+    appended = _reordered(lambda st: st + [StageConfig(name="extra_1024", steps=3, seq_length=1024,
+                                                       global_batch_size=2, micro_batch_size=2, dsa_mode="sparse",
+                                                       lr=StageLRConfig(warmup_steps=0))])
+    assert training_changes(old, appended, "extend_256", 3) == []
+    right_after = _reordered(lambda st: st[:3] + [StageConfig(name="extra_256", steps=2, seq_length=256,
+                                                              global_batch_size=8,
+                                                              lr=StageLRConfig(warmup_steps=0))] + st[3:])
+    assert training_changes(old, right_after, "extend_256", 6) == []  # finished: extra_256 runs next
+    assert training_changes(old, _reordered(lambda st: st[:3] + st[4:]), "extend_256", 3) == []
+
+
+def test_a_begun_stage_that_moves_in_its_data_stream_is_listed():
+    """dsa_warmup continues extend_1024's stream (long_context at 1024) after its 4 x 2 samples."""
+    old = _stages()
+    longer = _stages("curriculum.stages.4.steps=6")
+    assert training_changes(old, longer, "dsa_warmup", 3) == [
+        "stage 'extend_1024': steps: 4 in the checkpoint -> 6 now",
+        "stage 'dsa_warmup': data offset (samples of its data stream read by earlier stages): "
+        "8 in the checkpoint -> 12 now"]
+    own_stream = _stages("curriculum.stages.4.mixture=default")  # extend_1024 leaves the stream
+    changes = training_changes(old, own_stream, "dsa_warmup", 3)
+    assert changes[-2:] == [
+        "stage 'dsa_warmup': data stream continues stage: 'extend_1024' in the checkpoint -> None now",
+        "stage 'dsa_warmup': data offset (samples of its data stream read by earlier stages): "
+        "8 in the checkpoint -> 0 now"]
+    assert training_changes(old, longer, "extend_512", 3) == []  # extend_1024 not begun: free
 
 
 def test_another_shard_count_is_another_sample_order():
     old = _stages("curriculum=none")  # tasks 0 = one shard per worker (2)
     assert training_changes(old, _stages("curriculum=none", "data.preprocess.workers=4"), "pretrain", 3) == [
         "data.shards_per_corpus: 2 in the checkpoint -> 4 now"]
+
+
+def _resume_check(monkeypatch, tmp_path, old_overrides, new_rc, state):
+    """pretrain.train's resume check against a checkpoint trained with ``old_overrides`` (its
+    common state read from memory: the check reads nothing else of it)."""
+    from omegaconf import OmegaConf
+
+    from checkpointing import state as checkpoint
+    from pretrain import train
+
+    yaml = OmegaConf.to_yaml(compose(list(old_overrides)), resolve=True)
+    monkeypatch.setattr(checkpoint, "read_common", lambda path: {"config_yaml": yaml})
+    stages, problems = plan(new_rc)
+    assert problems == []
+    train._check_config_change(new_rc, stages, "ckpt/iter_0000003", state, str(tmp_path), 0)
+
+
+def test_allow_config_change_records_a_moved_offset_but_not_a_new_order(monkeypatch, tmp_path):
+    import json
+
+    longer = to_run_config(compose(["curriculum.stages.4.steps=6", "checkpoint.allow_config_change=true"]))
+    _resume_check(monkeypatch, tmp_path, [], longer, {"stage": "dsa_warmup", "stage_step": 3, "step": 43})
+    [entry] = [json.loads(line) for line in (tmp_path / "config_history.jsonl").read_text().splitlines()]
+    assert entry["step"] == 43 and entry["changes"][-1] == (
+        "stage 'dsa_warmup': data offset (samples of its data stream read by earlier stages): "
+        "8 in the checkpoint -> 12 now")
+    (tmp_path / "config_history.jsonl").unlink()
+    reordered = to_run_config(compose(["checkpoint.allow_config_change=true"]))
+    reordered.curriculum.stages = [reordered.curriculum.stages[i] for i in (1, 0, 2, 3, 4, 5, 6)]
+    with pytest.raises(CurriculumOrderChanged, match=r"^cannot resume:\n  - the curriculum's stages up to"):
+        _resume_check(monkeypatch, tmp_path, [], reordered, {"stage": "extend_256", "stage_step": 3, "step": 29})
+    assert not (tmp_path / "config_history.jsonl").exists()  # refused: nothing recorded
