@@ -3,25 +3,42 @@
 A save goes to ``iter_<step>.tmp`` through megatron's fully parallel save strategy (the
 data-parallel ranks split the writing of what they hold in common, each writes only its shard of
 the optimizer state: ``state.OPTIMIZER_FORMAT``; a stage's final checkpoint is written in the
-format any layout loads where the next stage needs that). With ``async_save`` megatron's async queue
-stages this rank's shard in host memory and a forked writer process writes it while training goes
-on; :meth:`CheckpointWriter.poll` (between steps) finishes saves whose files every rank has
+format any layout loads where the next stage needs that). With ``async_save`` this rank's shard is
+staged in host memory and written by a writer process while training goes on;
+:meth:`CheckpointWriter.poll` (between steps) finishes saves whose files every rank has
 written. Only then -- megatron has written its metadata -- does rank 0 write the manifest, fsync,
 rename the folder to ``iter_<step>``, replace ``latest`` and prune (:func:`publish`), so a crash or
 kill while a save is in flight leaves the previous checkpoint the newest complete one, and the
 partial ``.tmp`` folder is named when the run resumes (``files.latest_checkpoint``). One save is
 in flight at a time: a new one first finishes the previous.
+
+The writer process. megatron's ``AsyncCallsQueue()`` forks the training process for every save
+(``TemporalAsyncCaller``): a fork of a process that initialised CUDA and NCCL, which inherits the
+preemption signal handler (it ignored SIGTERM) and outlived a SIGKILLed run for good. Its
+``persistent=True`` caller spawns one worker instead, but that worker opens a CUDA context of its
+own, divides by ``torch.cuda.device_count()`` (zero on CPU ranks), takes the live tensors and hangs
+the run when it dies. The queue here is megatron's with the project's caller
+(``parallel.megatron_compat.async_writer``): one *spawned* writer per training process, started
+at the first async save and reused, that only writes host memory the training process staged,
+dies with the training process (``PR_SET_PDEATHSIG``) and has the default signal handling.
+
+A save that cannot be written -- a full or read-only file system at any step: the folder, the
+removal of interrupted saves, the files, the metadata, publishing, retention -- raises
+:class:`~checkpointing.files.CheckpointSaveError` on every rank at the same point (a failure on
+rank 0 alone is shared by one all-reduce first, so no rank waits for it in a collective), after
+the partial folder was removed and anything publishing had changed was put back: the previous
+checkpoint and ``latest`` are as they were. ``pretrain.train`` prints it as one ``error:`` line.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
 import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
+import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing, parallel_state
 from torch.distributed.checkpoint.api import CheckpointException
@@ -30,30 +47,91 @@ from checkpointing.files import (LATEST, STAGE_FINAL, CheckpointSaveError, apply
                                  fsync_tree, iter_dir, partial_saves, save_failure, write_atomic,
                                  write_manifest)
 from checkpointing.state import TrainState, full_state
-from parallel.megatron_compat import cross_process_write_results
+from parallel.megatron_compat import deferred_rank_zero_writes, spawned_writer_queue, take_deferred_write_failure
 
 
 def publish(ckpt_dir: str, tmp: str, final: str, stage_final: str | None, keep_last: int) -> None:
     """Rank 0, once every rank's files are written: mark a stage's final checkpoint, write the
-    manifest, make it durable, rename it into place, then ``latest``, then retention."""
-    if stage_final is not None:
-        write_atomic(os.path.join(tmp, STAGE_FINAL), stage_final)
-    write_manifest(tmp)
-    fsync_tree(tmp)
-    shutil.rmtree(final, ignore_errors=True)
-    os.rename(tmp, final)
-    fsync(ckpt_dir)
-    write_atomic(os.path.join(ckpt_dir, LATEST), os.path.basename(final))
-    apply_retention(ckpt_dir, keep_last)
+    manifest, make it durable, rename it into place, then ``latest``, then retention. When a step
+    fails, what the earlier ones changed is put back (the new folder is gone, ``latest`` names
+    what it named) and the OSError raised."""
+    pointer = os.path.join(ckpt_dir, LATEST)
+    before = _read_bytes(pointer)
+    renamed = False
+    try:
+        if stage_final is not None:
+            write_atomic(os.path.join(tmp, STAGE_FINAL), stage_final)
+        write_manifest(tmp)
+        fsync_tree(tmp)
+        shutil.rmtree(final, ignore_errors=True)
+        os.rename(tmp, final)
+        renamed = True
+        fsync(ckpt_dir)
+        write_atomic(pointer, os.path.basename(final))
+        apply_retention(ckpt_dir, keep_last)
+    except OSError:
+        _put_back(pointer, before, final if renamed else None)
+        raise
+
+
+def _read_bytes(path: str) -> Optional[bytes]:
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except FileNotFoundError:
+        return None
+
+
+def _put_back(pointer: str, before: Optional[bytes], published: Optional[str]) -> None:
+    """Best effort, after a failed publish: ``latest`` as it was, no ``latest.tmp``, no new folder."""
+    for leftover in (f"{pointer}.tmp", published):
+        if leftover and os.path.isdir(leftover):
+            shutil.rmtree(leftover, ignore_errors=True)
+        elif leftover and os.path.exists(leftover):
+            os.remove(leftover)
+    try:
+        if _read_bytes(pointer) != before:
+            if before is None:
+                os.remove(pointer)
+            else:
+                with open(pointer, "wb") as f:
+                    f.write(before)
+    except OSError:
+        pass  # the disk refuses even that: resume scans the folders, latest is only a hint
 
 
 def remove_partial_saves(ckpt_dir: str) -> list[str]:
     """Rank 0, with no save in flight: delete the ``iter_*.tmp`` folders (saves a crash or kill
-    interrupted); returns their names."""
+    interrupted); returns their names. A folder that cannot be removed raises its OSError."""
     gone = partial_saves(ckpt_dir) if os.path.isdir(ckpt_dir) else []
     for d in gone:
-        shutil.rmtree(os.path.join(ckpt_dir, d), ignore_errors=True)
+        shutil.rmtree(os.path.join(ckpt_dir, d), onerror=_raise_unless_gone)
     return gone
+
+
+def _raise_unless_gone(function, path, exc_info) -> None:
+    if not isinstance(exc_info[1], FileNotFoundError):
+        raise exc_info[1]
+
+
+def _prepare(ckpt_dir: str, tmp: str) -> None:
+    os.makedirs(ckpt_dir, exist_ok=True)
+    remove_partial_saves(ckpt_dir)  # no save is in flight: these were interrupted
+    os.makedirs(tmp)
+
+
+def shared_failure(error: Optional[OSError]) -> Optional[OSError]:
+    """Every rank's view of an OSError that happened on some ranks (rank 0's own writes): one
+    all-reduce of its errno. A rank that did not see it gets an OSError with the same errno."""
+    code = torch.tensor([0 if error is None else (error.errno or 0) + 1], dtype=torch.int64,
+                        device=torch.cuda.current_device())
+    dist.all_reduce(code, op=dist.ReduceOp.MAX)
+    if code.item() == 0:
+        return None
+    if error is not None:
+        return error
+    err = int(code.item()) - 1
+    return OSError(err, os.strerror(err) if err else "a write on another rank failed")
 
 
 @dataclass
@@ -74,7 +152,6 @@ class CheckpointWriter:
 
     def __init__(self, ckpt_dir: str, keep_last: int, async_save: bool):
         from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
-        from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
         from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
 
         self.ckpt_dir, self.keep_last, self.async_save = ckpt_dir, keep_last, async_save
@@ -82,7 +159,7 @@ class CheckpointWriter:
             get_default_save_sharded_strategy(),
             parallel_state.get_data_parallel_group(with_context_parallel=True),
             do_cache_distribution=True)
-        self.queue = AsyncCallsQueue() if async_save else None
+        self.queue = spawned_writer_queue() if async_save else None
         self.in_flight: Optional[tuple[SaveReport, str, float]] = None  #: (report, tmp, start)
 
     def save(self, model_chunks, optimizer, scheduler, state: TrainState, config_yaml: str, par,
@@ -95,21 +172,18 @@ class CheckpointWriter:
         t0 = time.perf_counter()
         final = iter_dir(self.ckpt_dir, state.step)
         tmp = final + ".tmp"
-        if dist.get_rank() == 0:
-            os.makedirs(self.ckpt_dir, exist_ok=True)
-            remove_partial_saves(self.ckpt_dir)  # no save is in flight: these were interrupted
-            os.makedirs(tmp)
-        dist.barrier()
+        self._on_rank0(final, tmp, lambda: _prepare(self.ckpt_dir, tmp))
         sd = full_state(model_chunks, optimizer, scheduler, state, config_yaml, par, reshardable)
         marker = state.stage if stage_final else None
         report = SaveReport(final, stage_final, 0.0)
         try:
-            with cross_process_write_results() if self.async_save else contextlib.nullcontext():
+            with deferred_rank_zero_writes():
                 request = dist_checkpointing.save(sd, tmp, sharded_strategy=self.strategy,
                                                   async_sharded_save=self.async_save)
         except (Exception, CheckpointException) as e:  # every rank raises: megatron gathers the
             # write results; torch's CheckpointException is a BaseException
             self._fail(final, tmp, e)
+        self._on_rank0(final, tmp, take_deferred_write_failure)  # common.pt (metadata when sync)
         publish_fn = lambda: self._publish(tmp, final, marker)  # noqa: E731
         if request is None:
             publish_fn()
@@ -129,7 +203,8 @@ class CheckpointWriter:
             return None
         report, tmp, t0 = self.in_flight
         try:
-            done = self.queue.maybe_finalize_async_calls(blocking=blocking)
+            with deferred_rank_zero_writes():  # megatron's finalize writes the metadata on rank 0
+                done = self.queue.maybe_finalize_async_calls(blocking=blocking)
         except (Exception, CheckpointException) as e:
             self.in_flight = None
             self._fail(report.path, tmp, e)
@@ -145,11 +220,31 @@ class CheckpointWriter:
         return self.poll(blocking=True)
 
     def _publish(self, tmp: str, final: str, stage_final: Optional[str]) -> None:
-        if dist.get_rank() == 0:
+        def metadata_then_publish():
+            kept = take_deferred_write_failure()  # megatron's metadata, written on rank 0
+            if kept is not None:
+                raise kept
             publish(self.ckpt_dir, tmp, final, stage_final, self.keep_last)
-        dist.barrier()
+
+        self._on_rank0(final, tmp, metadata_then_publish)
+
+    def _on_rank0(self, final: str, tmp: str, step: Callable) -> None:
+        """``step()`` on rank 0 (a function returning an OSError reports it, one raising it too);
+        every rank raises the save's failure when it failed."""
+        error = None
+        if dist.get_rank() == 0:
+            try:
+                error = step()
+            except OSError as e:
+                error = e
+            error = error if isinstance(error, OSError) else None
+        error = shared_failure(error)
+        if error is not None:
+            self._fail(final, tmp, error)
 
     def _fail(self, final: str, tmp: str, e: BaseException):
+        if isinstance(e, CheckpointSaveError):
+            raise e
         if dist.get_rank() == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         raise CheckpointSaveError(save_failure(final, tmp, e)) from e

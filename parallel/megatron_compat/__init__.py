@@ -19,6 +19,9 @@ megatron-core's internals, in one package.
   applies it to every chunk it builds.
 - ``optimizer_wrappers.py``: what an optimizer taking the place of megatron's inner torch
   optimizer (Muon) reads of megatron's optimizer wrappers, and the replacement itself.
+- ``async_writer.py``: the spawned process that writes async checkpoint saves
+  (:func:`spawned_writer_queue`), in place of megatron's fork per save; ``fixes.py``'s
+  :func:`deferred_rank_zero_writes` keeps a save's rank-0-only write errors for every rank.
 - ``meta_rank.py``: megatron's private ``parallel_state`` globals, ``torch.distributed``'s default
   group and ``torch.cuda.current_device`` as one rank of a layout sees them, without process
   groups, for the planner's meta builds (restored on exit).
@@ -37,8 +40,9 @@ from parallel.megatron_compat import jit_fusers
 
 jit_fusers.install()  # first: before megatron-core's first import (jit_fusers.py says why)
 
+from parallel.megatron_compat.async_writer import spawned_writer_queue  # noqa: E402
 from parallel.megatron_compat.fixes import (  # noqa: E402
-    cross_process_write_results, install, release_cached_modules, reset_loss_trackers)
+    deferred_rank_zero_writes, install, release_cached_modules, reset_loss_trackers, take_deferred_write_failure)
 from parallel.megatron_compat.micro_batch import MicroBatch  # noqa: E402
 from parallel.megatron_compat.mtp import config_with_mtp_depths, set_mtp_block_class  # noqa: E402
 

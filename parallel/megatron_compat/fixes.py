@@ -9,7 +9,7 @@ import queue
 
 import torch
 
-from parallel.megatron_compat import distrib_optimizer, micro_batch, mtp
+from parallel.megatron_compat import async_writer, distrib_optimizer, micro_batch, mtp
 from parallel.megatron_compat.version import check_megatron_core
 
 _INSTALLED = False
@@ -87,47 +87,80 @@ def _in_process_checkpoint_write_results() -> None:
     """megatron's torch_dist writer hands its write results back through a queue served by a
     *spawned* multiprocessing Manager (``filesystem_async._get_write_results_queue``): a fresh
     interpreter per rank that re-imports the training entry point at the first save (5-10 s of
-    CPU per rank). A synchronous save writes in this process (its forked writers report through
-    their own queue), so a plain in-process queue carries the results; an async save's writer
-    process reports through :func:`cross_process_write_results` instead."""
+    CPU per rank). A synchronous save writes in this process (its forked per-file writers report
+    through their own queue), so a plain in-process queue carries the results; an async save's
+    writer process (``async_writer.SpawnedWriter``) sends its results back with its completion
+    and they are put into this same queue."""
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
     if filesystem_async._results_queue is None:
         filesystem_async._results_queue = queue.Queue()
 
 
-_FORKED_MANAGER: list = [None]
+#: OSErrors of the rank-0-only writes of a save, held while :func:`deferred_rank_zero_writes` is on
+_DEFERRED: list = []
+_DEFERRING = [False]
 
 
 @contextlib.contextmanager
-def cross_process_write_results():
-    """Around an async ``dist_checkpointing.save``: the writer it prepares reports through a
-    queue another process can reach (its forked writer process's results), served by a Manager
-    *forked* once per process (megatron's own is spawned: a fresh interpreter re-importing the
-    entry point). Outside, saves keep the in-process queue."""
-    import multiprocessing as mp
-
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
-
-    if _FORKED_MANAGER[0] is None:
-        manager = mp.get_context("fork").Manager()
-        _FORKED_MANAGER[0] = (manager, manager.Queue())
-    in_process = filesystem_async._results_queue
-    filesystem_async._results_queue = _FORKED_MANAGER[0][1]
+def deferred_rank_zero_writes():
+    """Around a save: the writes megatron makes on rank 0 alone (``common.pt``, the ``.metadata``
+    of torch's writer, ``metadata.json``) keep their OSError (a full or read-only file system)
+    for :func:`take_deferred_write_failure` instead of raising it. Raised where it happens, the
+    error left the other ranks waiting for rank 0 in the save's next collective (the sharded
+    write's planning, the failure broadcast of ``save_state_dict_async_finalize``, the barrier
+    after ``save_config``): the run hung instead of stopping. The caller shares what rank 0
+    kept with every rank (one all-reduce) and all of them raise together."""
+    _DEFERRING[0] = True
     try:
         yield
     finally:
-        filesystem_async._results_queue = in_process
+        _DEFERRING[0] = False
+
+
+def take_deferred_write_failure() -> "OSError | None":
+    """The first OSError a rank-0-only write kept (and forget them all), or None."""
+    first = _DEFERRED[0] if _DEFERRED else None
+    _DEFERRED.clear()
+    return first
+
+
+def _rank_zero_writes_defer_their_errors() -> None:
+    """Wrap the three rank-0-only writes of a save for :func:`deferred_rank_zero_writes`."""
+    from megatron.core.dist_checkpointing import serialization
+    from megatron.core.dist_checkpointing.strategies.common import TorchCommonSaveStrategy
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
+
+    def deferring(write):
+        if getattr(write, "_defers_errors", False):
+            return write
+
+        @functools.wraps(write)
+        def write_or_keep_error(*args, **kwargs):
+            try:
+                return write(*args, **kwargs)
+            except OSError as e:
+                if not _DEFERRING[0]:
+                    raise
+                _DEFERRED.append(e)
+
+        write_or_keep_error._defers_errors = True
+        return write_or_keep_error
+
+    TorchCommonSaveStrategy.save_common = deferring(TorchCommonSaveStrategy.save_common)
+    FileSystemWriterAsync.finish = deferring(FileSystemWriterAsync.finish)
+    serialization.save_config = deferring(serialization.save_config)
 
 
 def _checkpoint_staging_copies_host_tensors() -> None:
     """megatron's torch_dist writer stages what a rank writes to host memory before writing it
     (``FileSystemWriterAsync.preload_tensors``: ``tensor.to("cpu")``, for synchronous saves too),
-    and an async save's forked writer then writes that copy while training changes the
-    originals. For a tensor already on the host ``.to("cpu")`` is the tensor itself: on CPU ranks
-    the writer read live training state, correct only through fork's copy-on-write, and a save
+    and an async save's writer then writes that copy while training changes the originals. For a
+    tensor already on the host ``.to("cpu")`` is the tensor itself: on CPU ranks the writer read
+    live training state (correct only through the copy-on-write of megatron's fork), and a save
     held none of the host memory it holds on a GPU node. On CPU ranks (the CPU emulation) the
-    tensors are copied here, so a CPU save stages, snapshots and uses host memory as a GPU save
+    tensors are copied here (in the training process, before the copy goes to the async writer,
+    ``async_writer.py``), so a CPU save stages, snapshots and uses host memory as a GPU save
     does (what the planner's ``host_ram_peak_gib`` counts); GPU ranks are left as they are (their
     host tensors, e.g. a gathered optimizer state, are copies already)."""
     from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
@@ -190,10 +223,12 @@ def install() -> None:
     global _INSTALLED
     if _INSTALLED:
         return
-    check_megatron_core(__file__, distrib_optimizer.__file__, mtp.__file__, micro_batch.__file__)
+    check_megatron_core(__file__, distrib_optimizer.__file__, mtp.__file__, micro_batch.__file__,
+                        async_writer.__file__)
     _alltoall_dispatcher_drops_probs_after_combine()
     _te_probes_without_transformer_engine()
     _in_process_checkpoint_write_results()
+    _rank_zero_writes_defer_their_errors()
     _checkpoint_staging_copies_host_tensors()
     _batched_p2p_pairs_same_peer_by_direction()
     distrib_optimizer.install()

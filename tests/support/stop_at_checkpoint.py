@@ -9,8 +9,8 @@ could finish before the poller looked. This launcher wraps the checkpoint writer
 pipeline: ``--stop-after``: once the named checkpoint is published (files, manifest and ``latest``
 written, every rank past it), each rank freezes, so the test's SIGKILL always lands between that
 checkpoint and the next, whatever the load. ``--hold-write``: each rank's background writer of the
-named checkpoint (``checkpoint.async_save=true``) creates ``<its .tmp folder>/held.<pid>`` and
-then sleeps instead of writing, so the test can kill the run while that save is in flight.
+named checkpoint (``checkpoint.async_save=true``, a spawned process) creates ``<its .tmp
+folder>/held.<pid>`` and then sleeps instead of writing, so the test can kill the run while that save is in flight.
 The training code has no hook for either.
 """
 
@@ -38,19 +38,29 @@ def install(wanted: str) -> None:
     CheckpointWriter._publish = publish_then_stop
 
 
+HOLD_ENV = "STOP_AT_CHECKPOINT_HOLD"  #: the held save's folder name, for the spawned writer too
+_WRITE: list = []  #: megatron's write function, in this process
+
+
+def _held_write(transform_list, use_msc, rank, write_buckets, results_queue):
+    """megatron's write function, sleeping instead of writing the held save. It runs in the
+    async writer, a spawned process: it reaches it by name (the writer imports this main module)."""
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
+
+    folder = os.path.dirname(str(write_buckets[0][0])) if write_buckets else ""
+    if os.path.basename(folder) == os.environ.get(HOLD_ENV, "") + ".tmp":
+        open(os.path.join(folder, f"held.{os.getpid()}"), "w").close()
+        time.sleep(3600)  # the test kills the run meanwhile
+    write = _WRITE[0] if _WRITE else FileSystemWriterAsync.write_preloaded_data_multiproc
+    return write(transform_list, use_msc, rank, write_buckets, results_queue)
+
+
 def hold_write(wanted: str) -> None:
     from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
 
-    write = FileSystemWriterAsync.write_preloaded_data_multiproc
-
-    def held(transform_list, use_msc, rank, write_buckets, results_queue):
-        folder = os.path.dirname(str(write_buckets[0][0])) if write_buckets else ""
-        if os.path.basename(folder) == wanted + ".tmp":
-            open(os.path.join(folder, f"held.{os.getpid()}"), "w").close()
-            time.sleep(3600)  # the test kills the run meanwhile
-        return write(transform_list, use_msc, rank, write_buckets, results_queue)
-
-    FileSystemWriterAsync.write_preloaded_data_multiproc = staticmethod(held)
+    os.environ[HOLD_ENV] = wanted
+    _WRITE.append(FileSystemWriterAsync.write_preloaded_data_multiproc)
+    FileSystemWriterAsync.write_preloaded_data_multiproc = staticmethod(_held_write)
 
 
 HOLD = "--hold-write="

@@ -347,11 +347,11 @@ def test_mtp_block_class_must_add_no_state():
                                             type("Shared", (MultiTokenPredictionBlock,), {}))
 
 
-def test_checkpoint_write_results_stay_in_process_but_cross_a_fork_for_async_saves():
+def test_checkpoint_write_results_stay_in_process():
     """Without the fix megatron's first save starts a *spawned* Manager (a fresh interpreter that
-    re-imports the entry point). A synchronous save reports through an in-process queue; inside
-    ``cross_process_write_results`` (an async save) a forked writer's results reach this process."""
-    import multiprocessing as mp
+    re-imports the entry point). Saves report through an in-process queue (an async save's
+    writer process sends its results back with its completion: tests/e2e/test_async_writer_process.py
+    and tests/unit/checkpointing/test_save_failures.py)."""
     import queue
 
     from megatron.core.dist_checkpointing.strategies import filesystem_async
@@ -359,12 +359,6 @@ def test_checkpoint_write_results_stay_in_process_but_cross_a_fork_for_async_sav
     megatron_compat.install()
     in_process = filesystem_async._get_write_results_queue()
     assert type(in_process) is queue.Queue
-    with megatron_compat.cross_process_write_results():
-        q = filesystem_async._get_write_results_queue()
-        writer = mp.get_context("fork").Process(target=q.put, args=({"rank": 0, "written": [1, 2]},))
-        writer.start()
-        writer.join()
-        assert q.get_nowait() == {"rank": 0, "written": [1, 2]}  # there once the writer is gone
     assert filesystem_async._get_write_results_queue() is in_process
 
 
