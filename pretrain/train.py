@@ -274,6 +274,12 @@ def main(cfg: DictConfig) -> None:
         # several), exit status 1 and no traceback (Hydra prints one for any exception; it
         # lets SystemExit by)
         raise SystemExit(f"error: {e.brief() if isinstance(e, ConfigError) else e}") from None
+    except Exception as e:  # noqa: BLE001 -- a checkpoint save the disk refused: one line, status 1
+        from checkpointing.files import CheckpointSaveError  # loaded: it is what raised
+
+        if not isinstance(e, CheckpointSaveError):
+            raise
+        raise SystemExit(f"error: {e}") from None
     if int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", 0))) == 0:
         print(json.dumps(summary), flush=True)
     if summary["preempted"]:
