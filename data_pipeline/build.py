@@ -6,9 +6,14 @@ whatever is missing, stale or damaged (other ranks wait on the broadcast of its 
 its error if it fails), then every rank builds megatron's ``BlendedMegatronDatasetBuilder`` with
 ``CorpusDataset`` over the corpora's shard groups (:mod:`data_pipeline.blend`: consecutive shards
 read as one dataset; weights = corpus weight x the group's share of the corpus's tokens). Indices
-are cached under ``<run_dir>/data_index/<key>/`` (``.complete`` written last; :func:`plan_index`
-names the folder without building, and a training launch finds everything there already:
-``python -m data_pipeline.prepare`` or its own rank 0 built it first). The result indexes
+are cached under ``<run_dir>/data_index/<key>/`` (``.complete``, written last, holds the checksum
+of every file of it: :func:`data_pipeline.integrity.index_problems`; :func:`plan_index` names the
+folder without building, and a training launch finds everything there already:
+``python -m data_pipeline.prepare`` or its own rank 0 built it first). Rank 0 checks the folder
+before megatron loads it (a stat per file; a file changed since, e.g. a zeroed
+``dataset_sample_index.npy``, is re-hashed): a damaged index is removed and rebuilt, with a
+warning naming the file and both checksums -- it is derived from the corpora, so rebuilding is
+safe, and using it would train on other samples. The result indexes
 by global sample number and knows each sample's corpus and category
 (:meth:`MixtureDataset.category_counts`); the validation blend is sized so that every category of
 the mixture has its share of held-out samples (:meth:`MixtureDataset.stratified`).
@@ -17,6 +22,7 @@ the mixture has its share of held-out samples (:meth:`MixtureDataset.stratified`
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import pickle
 import shutil
@@ -28,7 +34,8 @@ import torch.distributed as dist
 
 from data_pipeline.config import DataConfig, DataConfigError, active_weights, split_vector
 
-COMPLETE = ".complete"  #: written last into an index folder by the build that finished it
+COMPLETE = ".complete"  #: written last into an index folder by the build that finished it: its manifest
+log = logging.getLogger(__name__)
 
 
 class MixtureDataset(torch.utils.data.Dataset):
@@ -199,8 +206,17 @@ class IndexPlan:
 
 
 def index_complete(index_dir: str) -> bool:
-    """Whether megatron's builder only loads from ``index_dir`` (written last by a finished build)."""
-    return os.path.exists(os.path.join(index_dir, COMPLETE))
+    """Whether megatron's builder only loads from ``index_dir`` (a finished build's manifest is
+    there; its files are not compared: :func:`index_problems`)."""
+    return index_problems(index_dir, check=False) == []
+
+
+def index_problems(index_dir: str, check: bool = True) -> list[str] | None:
+    """None: ``index_dir`` is not complete; else what differs from its manifest ([] = intact;
+    ``check=False``: only whether the manifest is one this code reads)."""
+    from data_pipeline.integrity import index_problems as problems
+
+    return problems(index_dir, COMPLETE, check)
 
 
 def plan_index(cfg: DataConfig, outputs: dict, seq_length: int, seed: int, run_dir: str, vocab_size: int,
@@ -257,7 +273,11 @@ def _build_mixture(cfg: DataConfig, plan: IndexPlan, seq_length: int, seed: int,
 
     index_dir, blend, info, valid_n = plan.index_dir, plan.blend, plan.info, plan.valid_n
     rank0 = not dist.is_initialized() or dist.get_rank() == 0
-    built = not plan.complete  # else megatron's builder only loads
+    problems = index_problems(index_dir) if rank0 else []  # megatron's builder: rank 0 first, then the others
+    if problems:
+        log.warning("sample index %s is damaged (%s); removed and rebuilt", index_dir,
+                    "; ".join(p.replace(index_dir + os.sep, "") for p in problems))
+    built = problems != []  # else megatron's builder only loads
     if rank0 and built:
         shutil.rmtree(index_dir, ignore_errors=True)  # a killed build may have left partial indices
     config = CorpusDatasetConfig(
@@ -271,8 +291,11 @@ def _build_mixture(cfg: DataConfig, plan: IndexPlan, seq_length: int, seed: int,
         train, valid, _ = BlendedMegatronDatasetBuilder(
             CorpusDataset, [num_samples, valid_n or 0, 0], lambda: True, config).build()
     if rank0 and built:  # megatron builds and saves everything on rank 0 before the other ranks load
+        from data_pipeline.fsutil import write_json_atomic
+        from data_pipeline.integrity import index_manifest
+
         os.makedirs(index_dir, exist_ok=True)
-        open(os.path.join(index_dir, COMPLETE), "w").close()
+        write_json_atomic(os.path.join(index_dir, COMPLETE), index_manifest(index_dir, COMPLETE))
     out = [MixtureDataset(d, blend.owners, plan.categories, plan.weights) if d is not None else None
            for d in (train, valid)]
     for d, n in zip(out, (num_samples, valid_n)):

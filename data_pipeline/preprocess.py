@@ -8,9 +8,11 @@ changes the output, so a rerun skips finished corpora and a changed input rebuil
 only appears, by rename, once complete, with a manifest in ``stats.json``
 (:mod:`data_pipeline.integrity`).
 
-Every use verifies the folder first. A damaged one (a file missing, truncated or altered, or no
-manifest: an older version made it) is renamed ``<folder>.damaged-<n>`` with a warning naming the
-file and problem, and rebuilt from its inputs; where it cannot be rebuilt here (the slurm executor
+Every use verifies the folder first (a stat per file; a file changed since its checksum was taken
+is read whole and its checksum compared). A damaged one (a file missing, truncated or altered --
+a ``.bin`` overwritten in place included --, or no manifest of this version: an older version
+made it) is renamed ``<folder>.damaged-<n>`` with a warning naming the file and problem (both
+checksums for an altered file), and rebuilt from its inputs; where it cannot be rebuilt here (the slurm executor
 inside a run) it is an error naming the file. Concurrent callers build under a lock; the one that
 waited verifies and uses the folder the other published. A corpus whose documents were altered by
 ``invalid_utf8=replace`` is warned about on every use, and is an error above
@@ -116,7 +118,7 @@ def prepare_corpus(name: str, cfg: DataConfig, allow_submit: bool = False) -> Co
                                   f"{', '.join(f'data.chat.{k}={v!r}' for k, v in missing.items())} "
                                   f"are not tokens of {tok_path}")
     final = output_dir(name, c, cfg, files, tok_path)
-    problems = verify(final) if os.path.exists(final) else None
+    problems = verify(final, refresh=True) if os.path.exists(final) else None
     if problems == []:
         return _warn_altered(name, c, load_output(name, final))
     if cfg.preprocess.executor == "slurm":
@@ -163,7 +165,7 @@ def existing_output(name: str, cfg: DataConfig, check: bool = False) -> tuple[Co
     """:func:`prepare_corpus` without building anything (the file system alone): ``(output,
     None)`` when the corpus's finished folder for the current inputs is there, else ``(None, what
     is missing)``; ``check``: its folder must also verify against its manifest (a stat and a few
-    index bytes per shard file)."""
+    index bytes per shard file; a re-hash of a file changed since its checksum; nothing written)."""
     from data_pipeline.samples import sample_dir
 
     c = cfg.corpora[name]
@@ -195,7 +197,7 @@ def _set_aside_if_damaged(name: str, final: str) -> None:
 
 
 def checked_output(name: str, c: CorpusConfig, final: str) -> CorpusOutput:
-    problems = verify(final)
+    problems = verify(final, refresh=True)
     if problems:
         raise CorpusDamaged(f"corpus {name!r}: {final} is damaged:\n  - " + "\n  - ".join(problems))
     return _warn_altered(name, c, load_output(name, final))

@@ -4,13 +4,16 @@ system alone (no process group, nothing written), and built ahead in one process
 A stage asks :func:`data_pipeline.build.build_datasets` for its datasets with the arguments of a
 :class:`DataRequest`. :func:`missing` says what of it is not there yet -- a sample corpus not
 generated, the default tokenizer not trained, a corpus not preprocessed for its current inputs
-(or, ``check``, damaged), the sample index not complete -- and :func:`build` makes it; the run's
+(or, ``check``, damaged), the sample index not complete (or, ``check``, damaged: a file differs
+from the checksum its ``.complete`` records) -- and :func:`build` makes it (a damaged index is
+removed and rebuilt); the run's
 own ``build_datasets`` then only verifies and loads. Used by ``python -m data_pipeline.prepare``
 and by a training launch before its process group (``pretrain.data_prep``).
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -63,14 +66,23 @@ def index_dir(req: DataRequest, run_dir: str) -> Optional[str]:
 
 def missing(req: DataRequest, run_dir: str, check: bool = False) -> list[Lacking]:
     """What of ``req`` is not on disk yet ([] = the run's build only loads). ``check``: verify each
-    prepared corpus against its manifest too (a stat and a few index bytes per shard file)."""
-    from data_pipeline.build import index_complete
+    prepared corpus and the sample index against their manifests too (a stat per file and a few
+    index bytes per shard; a file changed since its checksum was taken is read whole and its
+    checksum compared); without it the index's manifest must only be one this code reads. A
+    damaged index lacks with ``damaged: <file> has sha256 <now>, the manifest says <then>``."""
+    from data_pipeline.build import index_problems
 
     outputs, lacking = _outputs(req, check)
     if lacking:
         return lacking
     where = _index_dir(req, outputs, run_dir)
-    return [] if index_complete(where) else [Lacking("sample index", "not built", where)]
+    problems = index_problems(where, check)
+    if problems is None:
+        return [Lacking("sample index", "not built", where)]
+    if problems:
+        return [Lacking("sample index", "damaged: " + "; ".join(p.replace(where + os.sep, "") for p in problems),
+                        where)]
+    return []
 
 
 def build(req: DataRequest, run_dir: str) -> None:

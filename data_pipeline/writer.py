@@ -4,7 +4,8 @@ DataTrove step after :class:`data_pipeline.readers.CorpusReader`. Each document 
 sequence (and one document) of ``shard_<task>.bin/.idx`` written by megatron-core's
 ``IndexedDatasetBuilder``, EOD appended. Trajectories also get ``shard_<task>-lossmask.bin/.idx``
 (uint8, same lengths): 1 where the token may be a training target. ``shard_<task>.json`` holds
-the shard's stats. A task with no documents writes nothing.
+the shard's stats and each file's checksum (:mod:`data_pipeline.integrity`: hashed by the task
+that wrote it, so a Slurm array's tasks share that work). A task with no documents writes nothing.
 """
 
 from __future__ import annotations
@@ -104,5 +105,10 @@ class IndexedShardWriter(PipelineStepWithTokenizer):
         else:
             stats["loss_tokens"] = stats["tokens"]
         stats["loss_mask"] = masks is not None
+        from data_pipeline.integrity import records  # (it imports this module)
+
+        names = [os.path.basename(prefix) + s + e for s in ("", MASK_SUFFIX)[: 1 + stats["loss_mask"]]
+                 for e in (".bin", ".idx")]
+        stats["files"] = records(self.out_dir, names)  # the manifest's digests, taken here once per shard
         with open(prefix + ".json", "w") as f:
             json.dump(stats, f)

@@ -77,7 +77,7 @@ class DataNotPrepared(ConfigError):
 
     def __init__(self, lacking: list[tuple[str, list]], overrides: Optional[Sequence[str]]):
         name, what = lacking[0]
-        if [w.thing for w in what] == [INDEX]:
+        if [(w.thing, w.state) for w in what] == [(INDEX, "not built")]:
             first = f"stage {name!r} has no prepared sample index ({what[0].path})"
         else:
             first = f"stage {name!r} has unprepared data: " + "; ".join(str(w) for w in what)

@@ -24,7 +24,7 @@ import sys
 import pytest
 
 from data_pipeline import preprocess
-from data_pipeline.integrity import CorpusDamaged, verify
+from data_pipeline.integrity import CorpusDamaged, file_record, verify
 from data_pipeline.preprocess import prepare
 from data_pipeline.readers import DataError
 from tests.support.data import REPO, corpus_cfg, expected_tokens, read_docs, tokenizer_path, write_jsonl
@@ -99,7 +99,8 @@ def test_verify_names_each_kind_of_damage(tmp_path):
 
     def bin_short_of_its_index(d):  # a writer that lost the tail, recorded as is
         size = _truncate(f"{d}/shard_00000.bin", 2)
-        _edit_stats(d, lambda s: s["manifest"]["files"]["shard_00000.bin"].update(bytes=size - 2))
+        _edit_stats(d, lambda s: s["manifest"]["files"].update(
+            {"shard_00000.bin": file_record(f"{d}/shard_00000.bin")}))
         return size
 
     def stats_disagree(d):
@@ -122,7 +123,7 @@ def test_verify_names_each_kind_of_damage(tmp_path):
     [problem] = verify(d)
     assert problem.startswith(f"{d}/stats.json cannot be read (JSONDecodeError: ")
     d, _ = damaged(manifest_from_the_future)
-    assert verify(d) == [f"{d}/stats.json has a manifest of version 99, this code reads 1"]
+    assert verify(d) == [f"{d}/stats.json has a manifest of version 99, this code reads 2"]
     d, size = damaged(bin_short_of_its_index)
     assert verify(d) == [f"{d}/shard_00000.bin is {size - 2} bytes, its index {d}/shard_00000.idx implies {size}"]
     d, _ = damaged(stats_disagree)
