@@ -152,12 +152,24 @@ def resolve_init_from(path: str) -> tuple[Optional[str], Optional[str]]:
     A run dir or its ``checkpoints/`` folder stands for its newest complete checkpoint (found as
     resume finds it). A checkpoint folder is verified against its manifest when it has one (a
     run's), else its data files against the checkpoint's own metadata (an HF import), so a
-    truncated or missing file is named here rather than failing inside the load."""
-    from checkpointing.dist_io import CheckpointFileError, check_files
-
+    truncated or missing file is named here rather than failing inside the load. A folder that
+    disappears while it is checked (the retention of the run that wrote it) is named as such."""
     field = f"checkpoint.init_from={path}"
     if not os.path.isdir(path):
         return None, f"{field}: {'no such folder' if not os.path.exists(path) else 'not a folder'}"
+    try:
+        folder, why = _resolve_init_from(path, field)
+    except FileNotFoundError as e:  # a file went between listing and reading it
+        folder, why = None, f"{field}: {e.filename} disappeared while this run checked it"
+    if why is not None and not os.path.isdir(path):
+        why = (f"{field}: {path} disappeared while this run checked it (deleted meanwhile, e.g. by "
+               f"the checkpoint retention of the run that wrote it)")
+    return folder, why
+
+
+def _resolve_init_from(path: str, field: str) -> tuple[Optional[str], Optional[str]]:
+    from checkpointing.dist_io import CheckpointFileError, check_files
+
     for ckpt_dir in (path, os.path.join(path, "checkpoints")):
         if os.path.isdir(ckpt_dir) and any(_iter_step(d) is not None for d in os.listdir(ckpt_dir)):
             try:

@@ -43,7 +43,7 @@ def _on_rank0(fn):
     if dist.get_rank() == 0:
         try:
             outcome[0] = (True, fn())
-        except Exception as e:  # noqa: BLE001 -- re-raised on every rank below
+        except (Exception, faults.Preempted) as e:  # noqa: BLE001 -- re-raised on every rank below
             outcome[0] = (False, e)
     dist.broadcast_object_list(outcome, src=0)
     ok, value = outcome[0]
@@ -52,8 +52,10 @@ def _on_rank0(fn):
     return value
 
 
-def _check_config_change(rc: RunConfig, stages, latest: str, state: dict, run_dir: str, rank: int) -> None:
-    """A resume must train what its checkpoint trained (pretrain.config.resume_changes)."""
+def _check_config_change(rc: RunConfig, stages, latest: str, state: dict, run_dir: str, rank: int,
+                         record: bool = True) -> None:
+    """A resume must train what its checkpoint trained (pretrain.config.resume_changes).
+    ``record``: an accepted change is recorded in the run dir (not before the run holds it)."""
     from checkpointing import state as checkpoint
     from pretrain.config import resume_changes as config_change
     from pretrain.curriculum import plan
@@ -68,16 +70,17 @@ def _check_config_change(rc: RunConfig, stages, latest: str, state: dict, run_di
     if not rc.checkpoint.allow_config_change:
         raise ConfigError(f"the config trains differently from the one {latest} was trained with "
                           f"(to accept and record it: checkpoint.allow_config_change=true)", changes)
-    if rank == 0:
+    if record and rank == 0:
         config_change.record(run_dir, state.get("step", 0), changes, latest)
         logging.getLogger(__name__).warning(
             "config changed since %s (recorded in %s): %s", latest, config_change.HISTORY, "; ".join(changes))
 
 
-def _check_checkpoint_files(latest: str) -> None:
+def _check_checkpoint_files(latest: str, rank: "int | None" = None) -> None:
     """Before anything is read from it, on rank 0: the checkpoint's DCP metadata names only what
     such metadata holds (:mod:`checkpointing.safe_metadata`) and its data files hold every byte
-    range it lists."""
+    range it lists. Every rank raises rank 0's refusal (a collective); given this process's
+    ``rank`` (before the process group), only rank 0 checks."""
     from checkpointing.dist_io import CheckpointFileError, check_files
 
     def check():
@@ -87,7 +90,10 @@ def _check_checkpoint_files(latest: str) -> None:
             return str(e)
         return None
 
-    problem = _on_rank0(check)
+    if rank is None:
+        problem = _on_rank0(check)
+    else:
+        problem = check() if rank == 0 else None
     if problem:
         raise ConfigError(f"cannot resume from {latest}", [problem])
 
@@ -101,6 +107,71 @@ def _check_optimizer_layout(stage, how: str, latest: str) -> None:
         problem = checkpoint.optimizer_layout_problem(checkpoint.read_common(latest), stage.rc.parallel)
         if problem:
             raise ConfigError(f"cannot load the optimizer state of {latest} into stage {stage.name!r}", [problem])
+
+
+def _resume_point(rc: RunConfig, stages, ckpt_dir: str, run_dir: str, rank: int, final: bool):
+    """``(latest, its train state, where_to_begin)`` after every check that can refuse the
+    launch. Twice: before anything is written to the run dir (the data build, ``.locks/``,
+    ``logs/``, the lock), by every rank from the file system alone, the checkpoint's files by
+    rank 0, so a refused launch leaves the run dir as it was; and ``final``, under the run-dir
+    lock (the run that held it may have saved since), which records an accepted config change."""
+    from checkpointing import state as checkpoint
+    from pretrain.curriculum import where_to_begin
+
+    try:
+        latest = checkpoint.latest_checkpoint(ckpt_dir) if rc.checkpoint.resume else None
+    except checkpoint.NoCompleteCheckpoint as e:
+        raise ConfigError("cannot resume", [str(e)]) from None
+    if latest:
+        _check_checkpoint_files(latest, None if final else rank)
+    latest_state = checkpoint.read_train_state(latest) if latest else None
+    begin = where_to_begin(stages, rc.curriculum, latest_state)
+    if latest and not begin.done:
+        _check_optimizer_layout(stages[begin.stage], begin.how, latest)
+    if latest:  # the last check (an accepted change is recorded in the run dir)
+        _check_config_change(rc, stages, latest, latest_state, run_dir, rank, record=final)
+    return latest, latest_state, begin
+
+
+def _checkpoints_listing(ckpt_dir: str) -> "tuple | None":
+    """What the checkpoint scan depends on: the folder's entries and what ``latest`` says."""
+    try:
+        names = sorted(os.listdir(ckpt_dir))
+    except FileNotFoundError:
+        return None
+    try:
+        with open(os.path.join(ckpt_dir, "latest"), "rb") as f:
+            hint = f.read(256)
+    except OSError:
+        hint = None
+    return tuple(names), hint
+
+
+def _init_from_source(rc: RunConfig) -> "tuple[str, bool] | None":
+    """``checkpoint.init_from`` as the folder the first stage loads and whether it has a
+    manifest (None without init_from); a source gone since the config's check is refused here."""
+    from checkpointing import state as checkpoint
+    from checkpointing.files import MANIFEST
+
+    if not rc.checkpoint.init_from:
+        return None
+    source, why = checkpoint.resolve_init_from(rc.checkpoint.init_from)
+    if why:
+        raise ConfigError("cannot start from checkpoint.init_from", [why])
+    return source, os.path.isfile(os.path.join(source, MANIFEST))
+
+
+def _raise_if_gone(given: str, source: str, had_manifest: bool) -> None:
+    """After the first stage failed while starting from ``source``: a source deleted meanwhile
+    (its run's retention) is named as such, instead of the load's traceback."""
+    from checkpointing import state as checkpoint
+
+    if os.path.isdir(source) and not (had_manifest and checkpoint.verify(source)):
+        return
+    raise ConfigError(f"checkpoint.init_from={given}", [
+        f"{source} disappeared while this run loaded it (deleted meanwhile, e.g. by the checkpoint "
+        f"retention of the run that wrote it); start from a checkpoint that stays: a stage's final "
+        f"checkpoint (retention keeps those) or a copy"]) from None
 
 
 def stage_summaries(history: list[dict]) -> list[dict]:
@@ -140,7 +211,6 @@ def run(rc: RunConfig, config_yaml: str, changes=(), overrides=None) -> dict:
     from model_providers.glm5.model.specs import resolve_backend
     from parallel.megatron_compat import release_cached_modules, reset_loss_trackers
     from checkpointing import state as checkpoint
-    from pretrain.curriculum import where_to_begin
     from pretrain.data_prep import before_process_group
     from pretrain.reporting.metrics import MetricsSink
     from pretrain.reporting.plots import plot_curriculum
@@ -149,35 +219,34 @@ def run(rc: RunConfig, config_yaml: str, changes=(), overrides=None) -> dict:
     preemption = faults.PreemptionSignal()  # USR1/SIGTERM -> save after the current step, exit
     backend = resolve_backend(rc.model.layer_backend)
     owns_process_group = not dist.is_initialized()  # else: a caller's, kept for its next run
-    # every stage's corpora and sample index: checked (several nodes) or built (one) before any
-    # collective, so no rank waits in one while rank 0 builds (pretrain.data_prep)
-    before_process_group(rc, stages, env, overrides, group_given=not owns_process_group)
-    start_process_group(env, rc.parallel.timeout_minutes, cpu_emulation_mode=rc.parallel.cpu_emulation)
     run_dir = os.path.abspath(rc.trainer.run_dir)
     ckpt_dir = os.path.join(run_dir, "checkpoints")
     metrics_path = os.path.join(run_dir, "metrics.jsonl")
-    lock = RunDirLock(run_dir, rc.trainer.lock_wait_s) if env.rank == 0 else None
+    seen = _checkpoints_listing(ckpt_dir)
+    checked = _resume_point(rc, stages, ckpt_dir, run_dir, env.rank, final=False)  # nothing written yet
+    # every stage's corpora and sample index: checked (several nodes) or built (one) before any
+    # collective, so no rank waits in one while rank 0 builds (pretrain.data_prep)
+    with preemption.stopping("the data build"):
+        before_process_group(rc, stages, env, overrides, group_given=not owns_process_group)
+    start_process_group(env, rc.parallel.timeout_minutes, cpu_emulation_mode=rc.parallel.cpu_emulation)
+    lock = RunDirLock(run_dir, rc.trainer.lock_wait_s,
+                      pause=lambda s: preemption.sleep(s, "the wait for the run dir lock")) if env.rank == 0 else None
     took_over = _on_rank0(lock.acquire if lock else None)  # before anything is written there
     if lock is not None:
         atexit.register(lock.release)
     if took_over and env.rank == 0:
         logging.getLogger(__name__).warning(took_over)
+    if preemption.agreed():  # a signal while the ranks started or waited: nothing to save yet
+        raise faults.Preempted(preemption.agreed_signal, "the start of the run")
+    if _on_rank0(lambda: _checkpoints_listing(ckpt_dir) == seen):  # as checked: record what it accepted
+        latest, latest_state, begin = checked
+        if latest and rc.checkpoint.allow_config_change:
+            _check_config_change(rc, stages, latest, latest_state, run_dir, env.rank)
+    else:  # another run saved (or its retention removed) checkpoints meanwhile
+        latest, latest_state, begin = _resume_point(rc, stages, ckpt_dir, run_dir, env.rank, final=True)
     repaired = _on_rank0(lambda: jsonl.repair(metrics_path) if rc.checkpoint.resume else None)
     if repaired and env.rank == 0:
         logging.getLogger(__name__).warning(repaired)
-
-    try:
-        latest = checkpoint.latest_checkpoint(ckpt_dir) if rc.checkpoint.resume else None
-    except checkpoint.NoCompleteCheckpoint as e:
-        raise ConfigError("cannot resume", [str(e)]) from None
-    if latest:
-        _check_checkpoint_files(latest)
-    latest_state = checkpoint.read_train_state(latest) if latest else None
-    begin = where_to_begin(stages, rc.curriculum, latest_state)
-    if latest and not begin.done:
-        _check_optimizer_layout(stages[begin.stage], begin.how, latest)
-    if latest:  # the last check (an accepted change is recorded in the run dir)
-        _check_config_change(rc, stages, latest, latest_state, run_dir, env.rank)
     if env.rank == 0:  # after the last check that can refuse the launch
         with open(os.path.join(run_dir, "config.yaml"), "w") as f:
             f.write(config_yaml)
@@ -197,11 +266,17 @@ def run(rc: RunConfig, config_yaml: str, changes=(), overrides=None) -> dict:
         console.say(*console.banner(rc, todo, env.world_size, backend, run_dir, log_path,
                                     sink.wandb_where, start))
     how = begin.how
+    source = _init_from_source(rc) if how == "fresh" else None
     for i, st in enumerate(todo):
         last = i == len(todo) - 1
         sink.event(console.stage_line(st, len(stages), how))
         following = stages[st.index + 1] if st.index + 1 < len(stages) else None
-        run_stage(st, how, latest, ctx, save_final=rc.checkpoint.save_at_end or not last, following=following)
+        try:
+            run_stage(st, how, latest, ctx, save_final=rc.checkpoint.save_at_end or not last, following=following)
+        except Exception:
+            if source is not None and how == "fresh":
+                _raise_if_gone(rc.checkpoint.init_from, *source)
+            raise
         release_cached_modules()
         reset_loss_trackers()  # the next stage (or the next run in this process) starts with none
         gc.collect()  # the finished stage's model, grad buffers and optimizer, before the next
@@ -274,6 +349,9 @@ def main(cfg: DictConfig) -> None:
         # several), exit status 1 and no traceback (Hydra prints one for any exception; it
         # lets SystemExit by)
         raise SystemExit(f"error: {e.brief() if isinstance(e, ConfigError) else e}") from None
+    except faults.Preempted as e:  # a signal before the first step: nothing to save
+        print(f"error: {e.line()}", file=sys.stderr, flush=True)
+        raise SystemExit(faults.PREEMPTED_EXIT) from None
     except Exception as e:  # noqa: BLE001 -- a checkpoint save the disk refused: one line, status 1
         from checkpointing.files import CheckpointSaveError  # loaded: it is what raised
 

@@ -4,7 +4,12 @@
   tasks by ``slurm/pretrain.sh``) and stops it with ``SIGTERM``. Either only sets a flag; after
   each step every rank all-reduces the flag, so all ranks stop after the *same* step, save a
   checkpoint and exit with :data:`PREEMPTED_EXIT`, which the batch script answers with
-  ``scontrol requeue``. The requeued job resumes from ``latest``.
+  ``scontrol requeue``. The requeued job resumes from ``latest``. Before the first step there is
+  nothing to save: a signal during a wait or build that may last minutes (the run-dir lock, the
+  data build: :meth:`PreemptionSignal.stopping`) raises :class:`Preempted` at once, and one that
+  came elsewhere before stepping is agreed on once the process group and the lock are up; the
+  run stops with one line and :data:`PREEMPTED_EXIT`. Under torchrun, ``python -m
+  pretrain.torchrun`` keeps that status (torchrun's own is 1 for any failed rank).
 - **Non-finite steps.** megatron's optimizer skips a step on found-inf only with an fp16 loss
   scaler; with fp32/bf16 it would apply NaN. :func:`step_is_finite` checks this rank's loss and
   gradient buffers before ``optimizer.step`` and agrees across all ranks; a bad step is skipped
@@ -16,9 +21,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import signal
+import time
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -64,25 +72,73 @@ def divergence(history: list[dict], cfg: FaultsConfig) -> str | None:
             f"(faults.diverged_after={cfg.diverged_after})")
 
 
+class Preempted(BaseException):
+    """A preemption signal before the first step: the run stops where it is (there is nothing
+    to save yet) and exits with :data:`PREEMPTED_EXIT`. A BaseException, like KeyboardInterrupt,
+    so that library code catching Exception (DataTrove's pipeline, megatron's builders) lets it
+    through; ``signal_name`` and ``where`` are its args (it crosses ranks pickled)."""
+
+    def __init__(self, signal_name: str, where: str):
+        super().__init__(signal_name, where)
+        self.signal_name, self.where = signal_name, where
+
+    def line(self) -> str:
+        return (f"{self.signal_name} during {self.where}: stopped before training; "
+                f"exit {PREEMPTED_EXIT} (preempted)")
+
+
 class PreemptionSignal:
-    """Remembers that USR1 or SIGTERM arrived; :meth:`agreed` is the collective decision."""
+    """Remembers that USR1 or SIGTERM arrived; :meth:`agreed` is the collective decision. Inside
+    :meth:`stopping` a signal raises :class:`Preempted` instead."""
 
     SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
 
     def __init__(self):
-        self.received = None
+        self.received: Optional[str] = None
+        self.agreed_signal: Optional[str] = None  #: after :meth:`agreed`: the signal any rank got
+        self._stopping: Optional[str] = None  #: where the run is while a signal stops it at once
         self._previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
 
     def _handle(self, signum, frame) -> None:
         self.received = signal.Signals(signum).name
+        where, self._stopping = self._stopping, None  # one raise: cleanup after it is not cut
+        if where is not None:
+            raise Preempted(self.received, where)
+
+    @contextlib.contextmanager
+    def stopping(self, where: str):
+        """A block before the first step (a wait, a data build) that a signal ends at once --
+        one that came before the block too -- by raising :class:`Preempted` naming ``where``.
+        Only for blocks whose writes never look complete before they are (temp folders renamed
+        when done, marker files written last): the exception may come between any two
+        bytecodes. Blocking calls are cut when they return to Python: ``time.sleep`` and a
+        blocking ``flock`` at once (EINTR), a C loop when it ends."""
+        self._stopping = where  # before the check: a signal in between raises from the handler
+        try:
+            if self.received:
+                self._stopping = None
+                raise Preempted(self.received, where)
+            yield
+        finally:
+            self._stopping = None
+
+    def sleep(self, seconds: float, where: str) -> None:
+        """``time.sleep`` that a signal (or one before it) ends with :class:`Preempted`."""
+        with self.stopping(where):
+            time.sleep(seconds)
 
     def agreed(self) -> bool:
-        """True on every rank when any rank got a signal (one all-reduce of one int)."""
-        flag = torch.tensor([1 if self.received else 0], dtype=torch.int32, device=current_device())
+        """True on every rank when any rank got a signal (one all-reduce of one int: the
+        largest signal number, kept as :attr:`agreed_signal`)."""
+        flag = torch.tensor([int(signal.Signals[self.received]) if self.received else 0],
+                            dtype=torch.int32, device=current_device())
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+        signum = int(flag.item())
+        self.agreed_signal = signal.Signals(signum).name if signum else None
+        return bool(signum)
 
     def restore(self) -> None:
+        self._stopping = None
         for s, handler in self._previous.items():
             signal.signal(s, handler)
 

@@ -8,6 +8,9 @@ one gets it. A later run waits up to ``wait_s`` for a live holder, then refuses 
 holder is dead when its process is gone (same host) or its heartbeat is older than
 :data:`STALE_AFTER_S` (another host: its pid means nothing here); a dead holder's lock is taken
 over with a warning, under an ``flock`` on a guard file so two runs cannot both take it over.
+Every wait goes through ``pause`` (a preemption signal ends it: ``pretrain.train`` passes
+:meth:`pretrain.reliability.faults.PreemptionSignal.sleep`); the guard is taken without
+blocking, between pauses, so nothing waits where a pause cannot end it.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import os
 import socket
 import threading
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 LOCK_NAME = "run.lock"
 HEARTBEAT_S = 30.0
@@ -86,10 +89,12 @@ def describe(holder: Optional[dict], age_s: Optional[float]) -> str:
 
 
 class RunDirLock:
-    def __init__(self, run_dir: str, wait_s: float, poll_s: float = 1.0):
+    def __init__(self, run_dir: str, wait_s: float, poll_s: float = 1.0,
+                 pause: Callable[[float], None] = time.sleep):
         self.run_dir = run_dir
         self.path = os.path.join(run_dir, LOCK_NAME)
         self.wait_s, self.poll_s = wait_s, poll_s
+        self.pause = pause  #: every wait: ``pause(seconds)``
         self._me: Optional[dict] = None
         self._stop = threading.Event()
         self._beat: Optional[threading.Thread] = None
@@ -129,7 +134,12 @@ class RunDirLock:
     def _take_over(self, holder: Optional[dict]) -> bool:
         """Remove a dead holder's lock and create ours, unless someone else got there first."""
         with open(self.path + ".guard", "a") as guard:
-            fcntl.flock(guard, fcntl.LOCK_EX)
+            while True:
+                try:
+                    fcntl.flock(guard, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    self.pause(min(self.poll_s, 0.05))  # another run is deciding: briefly
             try:
                 again, age = self._read()
                 if again != holder or age is None or not self._dead(again, age):
@@ -166,7 +176,7 @@ class RunDirLock:
                 log.warning("run dir %s is in use (%s): waiting up to %.0f s", self.run_dir,
                             describe(holder, age), self.wait_s)
                 warned = True
-            time.sleep(self.poll_s)
+            self.pause(self.poll_s)
 
     def _start(self, warning: Optional[str] = None) -> Optional[str]:
         self._stop.clear()
