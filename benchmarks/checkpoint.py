@@ -1,6 +1,8 @@
-"""Checkpoint saves and loads, the format before issue 38 against the one after, on gloo ranks.
+"""Checkpoint saves and loads on gloo ranks: every save, the format before issue 38 against the one
+after; ``--stage-end``: a stage's final save into another layout, gathered against per rank.
 
     .venv/bin/python benchmarks/checkpoint.py [--ranks 4] [--hidden 512] [--layers 6] [--repeats 3]
+    .venv/bin/python benchmarks/checkpoint.py --stage-end [--ranks 4] ...
 
 A GLM-5-shaped model (the tiny one's structure, widths from the flags; at the defaults 80M
 parameters, ~5 GB of training state over the 4 ranks: larger ones need more than 23 GB of RAM in
@@ -13,6 +15,15 @@ step taken so every moment is non-zero. Per format, ``--repeats`` times, on ever
 - **after**: ``checkpointing.writer.CheckpointWriter`` with ``async_save``: megatron's fully
   parallel strategy, ``dp_reshardable`` optimizer state (each rank writes its own shard), the
   write in a background process; training waits only for the staging copy.
+
+``--stage-end``: the final save of a stage at TP1 x DP ``--ranks`` whose next stage runs at TP2 x
+DP ``--ranks``/2 and carries the optimizer state, through ``CheckpointWriter`` (async) as the run
+does it; then the load of it in the TP2 layout. **before**: the optimizer state
+``fully_reshardable`` (megatron's: every DP rank all-gathers its model shard's whole state);
+**after**: ``model_space_shards`` (each rank writes and reads only its own share). Each TP2 rank's
+loaded state (main parameters, both moments) is digested, and one more optimizer step is taken on
+the same gradients and its weights digested: ``same state`` says whether both formats give every
+rank bit-identical state and bit-identical weights after that step.
 
 Columns: ``blocking`` (what the step loop waits; the median over repeats, max over ranks),
 ``total`` (until published: manifest, rename, ``latest``), ``load`` (``checkpointing.state.load``
@@ -43,11 +54,12 @@ def model_overrides(hidden: int, layers: int) -> list[str]:
             "model.vocab_size=32000", "model.mtp_num_steps=1", "model.dsa.mode=none"]
 
 
-def run_config(ranks: int, hidden: int, layers: int, run_dir: str):
+def run_config(ranks: int, hidden: int, layers: int, run_dir: str, tp: int = 1):
     from pretrain.config.schema import compose, to_run_config
 
+    tp_overrides = [f"parallel.tp={tp}", "parallel.sequence_parallel=true"] if tp > 1 else []
     return to_run_config(compose(["curriculum=none", "parallel=dp2_distopt", "logger.wandb.mode=disabled",
-                                  f"trainer.run_dir={run_dir}", *model_overrides(hidden, layers)]))
+                                  f"trainer.run_dir={run_dir}", *tp_overrides, *model_overrides(hidden, layers)]))
 
 
 class PeakRSS:
@@ -80,6 +92,32 @@ class PeakRSS:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+def random_grads(ddp, seed: int) -> None:
+    """Gradients drawn per parameter name (the same in every process of one layout)."""
+    import torch
+
+    for c in ddp:
+        for name, p in c.module.named_parameters():
+            gen = torch.Generator().manual_seed(seed * 100_003 + sum(map(ord, name)))
+            p.main_grad.copy_(torch.randn(p.shape, generator=gen) * 1e-3)
+
+
+def state_digest(optimizer) -> str:
+    """sha256 over this rank's optimizer shards (main parameters and moments, buffer order)."""
+    import hashlib
+
+    from parallel.megatron_compat import optimizer_wrappers
+
+    h = hashlib.sha256()
+    for w in optimizer_wrappers.wrappers(optimizer):
+        for model_param, main in optimizer_wrappers.main_params(w):
+            state = w.optimizer.state.get(main, {})
+            for t in (main, state.get("exp_avg"), state.get("exp_avg_sq")):
+                if t is not None:
+                    h.update(t.detach().contiguous().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
 def build(rc):
     """Model chunks, DDP, distributed Adam with every moment set by one step, scheduler."""
     import torch
@@ -94,12 +132,9 @@ def build(rc):
     ddp = wrap_ddp(tcfg, chunks, rc.parallel)
     optimizer = build_optimizer(ddp, rc.optimizer, rc.precision.dtype, rc.parallel.distributed_optimizer)
     scheduler = build_scheduler(optimizer, rc.optimizer, rc.scheduler, 10)
-    gen = torch.Generator().manual_seed(0)
-    for c in ddp:
-        for p in c.module.parameters():
-            p.main_grad.copy_(torch.randn(p.shape, generator=gen) * 1e-3)
+    random_grads(ddp, 0)
     optimizer.step()
-    return chunks, optimizer, scheduler
+    return chunks, optimizer, scheduler, ddp
 
 
 def save_before(ckpt_dir, chunks, optimizer, scheduler, state, rc):
@@ -133,9 +168,14 @@ def worker(args) -> None:
     from checkpointing.writer import CheckpointWriter
     from parallel.initialize import initialize
 
+    if args.stage_end:
+        stage_end_worker(args)
+        return
+    if args.format == "before":  # the format of every save before issue 38: megatron's gathered one
+        checkpoint.RESHARDABLE_OPTIMIZER_FORMAT = checkpoint.GATHERED_OPTIMIZER_FORMAT
     rc = run_config(args.ranks, args.hidden, args.layers, args.work)
     env = initialize(rc.parallel, 0)
-    chunks, optimizer, scheduler = build(rc)
+    chunks, optimizer, scheduler, _ = build(rc)
     params = sum(p.numel() for c in chunks for p in c.parameters())
     fmt = args.format  # one format per process: freed heap would hide the next one's growth
     ckpt_dir = os.path.join(args.work, fmt)
@@ -165,6 +205,70 @@ def worker(args) -> None:
     if env.rank == 0:
         with open(os.path.join(args.work, f"result_{args.format}.json"), "w") as f:
             json.dump({"ranks": out, "rc_overrides": model_overrides(args.hidden, args.layers)}, f)
+
+
+def stage_end_worker(args) -> None:
+    """Save at TP1 as a stage's final checkpoint into another layout, load at TP2 (see the docstring)."""
+    import gc
+
+    import torch
+    import torch.distributed as dist
+
+    from checkpointing import state as checkpoint
+    from checkpointing.writer import CheckpointWriter
+    from parallel.initialize import initialize
+
+    fmt = args.format
+    if fmt == "before":  # the stage-end save as it was: the same writer, megatron's gathered format
+        checkpoint.RESHARDABLE_OPTIMIZER_FORMAT = checkpoint.GATHERED_OPTIMIZER_FORMAT
+    rc = run_config(args.ranks, args.hidden, args.layers, args.work)
+    env = initialize(rc.parallel, 0)
+    chunks, optimizer, scheduler, _ = build(rc)
+    params = sum(p.numel() for c in chunks for p in c.parameters())
+    writer = CheckpointWriter(os.path.join(args.work, fmt), 0, async_save=True)
+    gc.collect()
+    dist.barrier()
+    with PeakRSS() as rss:
+        report = writer.save(chunks, optimizer, scheduler, checkpoint.TrainState(step=1), "", rc.parallel,
+                             stage_final=True, reshardable=True)
+        total = writer.finish().total_s
+    del chunks, optimizer, scheduler
+    gc.collect()
+    rc2 = run_config(args.ranks, args.hidden, args.layers, args.work, tp=2)
+    initialize(rc2.parallel, 0)
+    chunks, optimizer, scheduler, ddp = build(rc2)  # a step of its own first: the load overwrites it
+    gc.collect()
+    dist.barrier()
+    t1 = time.perf_counter()
+    with PeakRSS() as load_rss:
+        checkpoint.load(report.path, chunks, optimizer, scheduler)
+    load = time.perf_counter() - t1
+    loaded = state_digest(optimizer)
+    for c in ddp:
+        c.zero_grad_buffer()
+    random_grads(ddp, 1)
+    optimizer.step()
+    stepped = __import__("hashlib").sha256(b"".join(
+        p.detach().float().contiguous().numpy().tobytes() for c in chunks for p in c.parameters())).hexdigest()[:16]
+    row = (report.blocking_s, total, load, rss.growth, load_rss.growth)
+    out = [None] * env.world_size
+    dist.all_gather_object(out, {"rank": env.rank, "rows": {fmt: [row]}, "params": params,
+                                 "digest": [loaded, stepped]})
+    if env.rank == 0:
+        with open(os.path.join(args.work, f"result_{fmt}.json"), "w") as f:
+            json.dump({"ranks": out}, f)
+    torch.distributed.barrier()
+
+
+def summarise_stage_end(result: dict) -> dict:
+    table = {}
+    for fmt in ("before", "after"):
+        rows = [r["rows"][fmt][0] for r in result[fmt]["ranks"]]
+        table[fmt] = {k: max(row[i] for row in rows) for i, k in enumerate(
+            ("blocking_s", "total_s", "load_s", "host_ram_bytes", "load_host_ram_bytes"))}
+    table["same_state"] = all(a["digest"] == b["digest"] for a, b in zip(result["before"]["ranks"],
+                                                                        result["after"]["ranks"]))
+    return table
 
 
 def summarise(result: dict, ranks: int, hidden: int, layers: int, work: str) -> dict:
@@ -197,6 +301,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--work", default=None, help="checkpoint folder (default: a temporary one)")
     ap.add_argument("--json", default=None, help="also write the table here")
+    ap.add_argument("--stage-end", action="store_true",
+                    help="a stage's final save at TP1, loaded at TP2: gathered against per-rank format")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--format", default="after", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -211,10 +317,13 @@ def main() -> None:
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={args.ranks}", __file__,
                "--worker", f"--format={fmt}", f"--ranks={args.ranks}", f"--hidden={args.hidden}",
                f"--layers={args.layers}", f"--repeats={args.repeats}", f"--work={work}"]
+        cmd += ["--stage-end"] if args.stage_end else []
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
         subprocess.run(cmd, check=True, env=env, stderr=subprocess.DEVNULL)
         with open(os.path.join(work, f"result_{fmt}.json")) as f:
             result[fmt] = json.load(f)
+    if args.stage_end:
+        return print_stage_end(summarise_stage_end(result), result, args)
     table = summarise(result, args.ranks, args.hidden, args.layers, work)
     params = result["after"]["ranks"][0]["params"]
     print(f"model: {params / 1e6:.0f}M params per rank (hidden {args.hidden}, {args.layers} layers), "
@@ -229,6 +338,25 @@ def main() -> None:
             continue
         b, a = table["before"][key] / scale, table["after"][key] / scale
         print(f"{label + ' (' + unit + ')':<22}{b:>12.3f}{a:>12.3f}{(a / b if b else float('nan')):>13.2f}x")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(table, f, indent=1)
+
+
+def print_stage_end(table: dict, result: dict, args) -> None:
+    params = result["after"]["ranks"][0]["params"]
+    print(f"model: {params / 1e6:.0f}M params per rank at TP1 (hidden {args.hidden}, {args.layers} layers), "
+          f"a stage's final save at TP1 x DP{args.ranks} loaded at TP2 x DP{args.ranks // 2}, distributed Adam, "
+          f"fp32 on CPU; max over ranks")
+    gib = 2**30
+    print(f"{'':<26}{'gathered':>12}{'per rank':>12}{'ratio':>10}")
+    for key, label, scale, unit in (("blocking_s", "blocking", 1, "s"), ("total_s", "total save", 1, "s"),
+                                    ("load_s", "load at TP2", 1, "s"),
+                                    ("host_ram_bytes", "save host RAM per rank", gib, "GiB"),
+                                    ("load_host_ram_bytes", "load host RAM per rank", gib, "GiB")):
+        b, a = table["before"][key] / scale, table["after"][key] / scale
+        print(f"{label + ' (' + unit + ')':<26}{b:>12.3f}{a:>12.3f}{(a / b if b else float('nan')):>9.2f}x")
+    print(f"same state at TP2 (loaded, and after one more step): {table['same_state']}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(table, f, indent=1)

@@ -21,7 +21,7 @@ from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 
 from checkpointing import backend_keys
-from parallel.megatron_compat import cpu_emulation
+from parallel.megatron_compat import cpu_emulation, model_space_shards
 
 from checkpointing.files import (  # noqa: F401 -- what a checkpoint is on disk, used with it
     START_ELSEWHERE, NoCompleteCheckpoint, apply_retention, holds_checkpoints, latest_checkpoint,
@@ -35,11 +35,15 @@ from checkpointing.files import (  # noqa: F401 -- what a checkpoint is on disk,
 #: ``fully_sharded_model_space`` would reshard anywhere but is no longer supported there
 #: (``ShardedTensor.flattened_range is not supported``).
 OPTIMIZER_FORMAT = "dp_reshardable"
+#: the format that loads into any layout, each rank saving and loading only its own share, in
+#: model space (``parallel.megatron_compat.model_space_shards``). Written only where a layout
+#: change needs it: the final checkpoint of a stage whose successor carries the optimizer state
+#: into another layout
+RESHARDABLE_OPTIMIZER_FORMAT = model_space_shards.FORMAT
 #: megatron's format that loads into any layout: every DP rank all-gathers its model shard's whole
-#: optimizer state into host memory to save it. Written only where a layout change needs it (the
-#: final checkpoint of a stage whose successor carries the optimizer state into another layout);
-#: checkpoints of this project before dp_reshardable are in it (and still load)
-RESHARDABLE_OPTIMIZER_FORMAT = "fully_reshardable"
+#: optimizer state into host memory to save it. Checkpoints of this project before
+#: dp_reshardable, and stage ends before model_space_shards, are in it: they still load
+GATHERED_OPTIMIZER_FORMAT = "fully_reshardable"
 #: common-state keys: a checkpoint's optimizer format (absent: the reshardable one) and the
 #: model-parallel layout its optimizer state was written for
 FORMAT_KEY = "optimizer_format"
@@ -82,7 +86,7 @@ def _sharding_metadata(optimizer_format: str = OPTIMIZER_FORMAT) -> dict:
 
 def checkpoint_format(common: dict) -> str:
     """The optimizer format a checkpoint was written in, from its common state."""
-    return common.get(FORMAT_KEY, RESHARDABLE_OPTIMIZER_FORMAT)
+    return common.get(FORMAT_KEY, GATHERED_OPTIMIZER_FORMAT)
 
 
 def _model_key(i: int) -> str:
@@ -127,7 +131,10 @@ def sharded_state(model_chunks, optimizer=None, is_loading=False, with_rng=True,
         sd[_model_key(i)] = chunk.sharded_state_dict(metadata=meta)
     if optimizer is not None:  # it finds each param's sharded tensor in every chunk's (nested) dict:
         # merged into one dict, chunks whose local keys coincide would hide each other's params
-        sd["optimizer"] = optimizer.sharded_state_dict(dict(sd), is_loading=is_loading, metadata=meta)
+        if optimizer_format == model_space_shards.FORMAT:
+            sd["optimizer"] = model_space_shards.sharded_state_dict(optimizer, dict(sd), is_loading, meta)
+        else:
+            sd["optimizer"] = optimizer.sharded_state_dict(dict(sd), is_loading=is_loading, metadata=meta)
     if with_rng:
         sd["rng_state"] = _rng_sharded()
     return sd
@@ -205,7 +212,7 @@ def load(path: str, model_chunks, optimizer=None, scheduler=None) -> TrainState:
         chunk.load_state_dict(loaded[_model_key(i)], strict=True)
     if not full:
         return TrainState()
-    optimizer.load_state_dict(loaded["optimizer"])
+    optimizer.load_state_dict(model_space_shards.joined(loaded["optimizer"]))
     if scheduler is not None:
         scheduler.num_steps = 0  # megatron's load_state_dict *adds* the saved step count
         scheduler.load_state_dict(common["scheduler"])

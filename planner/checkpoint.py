@@ -15,14 +15,22 @@ Two formats are modelled, both megatron-core 0.16.1 dist checkpointing (torch_di
   both moments; padding between parameters too, < 64 elements each). With
   ``checkpoint.async_save`` the step loop stops only to copy this rank's write share to pinned
   host memory (``FileSystemWriterAsync.preload_tensors``); a forked process writes it.
-- ``fully_reshardable`` (``RESHARDABLE_OPTIMIZER_FORMAT``: every save before; now a stage's final
-  save where the next stage carries the optimizer state into another model-parallel layout):
-  every DP rank all-gathers its model shard's whole optimizer state into fp32 host tensors
+- ``model_space_shards`` (``RESHARDABLE_OPTIMIZER_FORMAT``: a stage's final save where the next
+  stage carries the optimizer state into another model-parallel layout;
+  ``parallel.megatron_compat.model_space_shards``): each rank writes its own distributed-optimizer
+  shard, as in ``dp_reshardable``, cut into boxes of the model parameters' global tensors; the
+  same bytes, host memory and time. A load in another layout reads the stored boxes its new
+  shard overlaps: torch's reader reads a stored box whole, and a rank's new shard overlaps at
+  most a few boxes of each parameter, so the reads are modelled as ``dp_reshardable``'s.
+- ``fully_reshardable`` (``GATHERED_OPTIMIZER_FORMAT``: every save before issue 38, then a stage's
+  final save into another layout until the per-rank format above): every DP rank all-gathers its
+  model shard's whole optimizer state into fp32 host tensors
   (``get_parameter_state_dp_zero(return_on_all_ranks=True)``: param, exp_avg, exp_avg_sq, 12 B per
   element); the main replica (DP x CP rank 0 for dense tensors, expert-DP rank 0 for experts)
   writes the whole shard, synchronously, cloning the slices of the gathered tensors it writes
   (views: ``_clone_if_needed``) and staging them again (``STAGING_COPIES_HOST_TENSORS``); a load
-  reads the whole shard's state on every rank (no fully parallel load).
+  reads the whole shard's state on every rank (no fully parallel load). Kept to show what the
+  per-rank format saves.
 
 Bytes per stepped element in the checkpoint (``optimizer_bytes_per_element``): the moments are
 always fp32 -- bf16 moments (``optimizer.exp_avg_dtype``, megatron's precision-aware optimizer,
@@ -57,7 +65,7 @@ MAX_LOST_MIN = 30.0
 #: ... and at most this share of the wall clock spent blocked in saves
 MAX_BLOCKING_SHARE = 0.05
 
-SHARDED, RESHARDABLE = "dp_reshardable", "fully_reshardable"
+SHARDED, RESHARDABLE, MODEL_SPACE = "dp_reshardable", "fully_reshardable", "model_space_shards"
 
 
 @dataclass(frozen=True)
@@ -153,9 +161,10 @@ def rank_write(rc, s: ShardBytes, fmt: str = SHARDED, gpus_per_node: int = 8, pa
     total = s.whole_weights + _optimizer(rc, s.whole_stepped, s.whole_half, fmt)
     weights = s.dense_weights + s.expert_weights
     expert_group = min(s.expert_dp, s.dp)  # the group holding the main replica spreads it
-    # with the distributed optimizer, dp_reshardable state is each rank's own; fully_reshardable
-    # state is gathered to every DP rank (host tensors) and replicated like the weights
-    own = par.distributed_optimizer and fmt == SHARDED
+    # with the distributed optimizer, dp_reshardable and model_space_shards state is each rank's
+    # own; fully_reshardable state is gathered to every DP rank (host tensors) and replicated like
+    # the weights
+    own = par.distributed_optimizer and fmt in (SHARDED, MODEL_SPACE)
     gathered = (o_dense + o_expert) if par.distributed_optimizer and fmt == RESHARDABLE else 0.0
     host_copies = 2 if staging_copies_host else 1  # clone of a view, then the staging copy
     if parallel:
@@ -261,7 +270,7 @@ def checkpoint_cost(rc, shards: list, cluster, fmt: str = SHARDED, async_save=No
                                              and configured + save_s / 60 <= MAX_LOST_MIN + 1e-9):
         notes.append(f"checkpoint.save_every_minutes={configured:g} breaks a rule the planned "
                      f"{interval:.1f} min keeps")
-    if fmt == SHARDED and rc.parallel.distributed_optimizer and optimizer_bytes_per_element(rc, True) != 3 * FP32:
+    if fmt != RESHARDABLE and rc.parallel.distributed_optimizer and optimizer_bytes_per_element(rc, True) != 3 * FP32:
         own = max(s.dense_stepped / s.dp + s.expert_stepped / s.expert_dp for s in shards)
         notes.append(f"bf16 moments are saved as fp32 (FusedAdam.get_unscaled_state): a save holds "
                      f"{2 * FP32 * own / GIB:.1f} GiB more GPU memory while it builds its state dict")
@@ -274,9 +283,9 @@ def predict(rc, world_size: int, *, pp_rank: int = 0, trainable=(), device: str 
     """Predicted checkpoint bytes of one rank of pipeline rank ``pp_rank`` for a run config
     (model, parallel layout, optimizer, precision: ``rc.precision.dtype`` fp32 gives fp32
     weights, the CPU runs' dtype) at ``world_size`` ranks, for a benchmark or test to compare with
-    what a save measures: ``{"dp_reshardable": {...}, "fully_reshardable": {...}, "before": {...}}``
-    (every save now; a stage's final save into another layout; every save before the change: the
-    main replica wrote everything), each ``{"bytes_per_rank", "host_ram_peak_gib",
+    what a save measures: ``{"dp_reshardable": {...}, "model_space_shards": {...},
+    "fully_reshardable": {...}, "before": {...}}`` (every save now; a stage's final save into
+    another layout, now and before; every save before issue 38: the main replica wrote everything), each ``{"bytes_per_rank", "host_ram_peak_gib",
     "tolerance_bytes"}``. ``bytes_per_rank``: what the rank writes, its even share; megatron's
     fully parallel wrapper assigns whole tensors, so a rank may differ by up to
     ``tolerance_bytes`` (its largest weight). ``host_ram_peak_gib``: extra host RAM during a save.
@@ -293,8 +302,8 @@ def predict(rc, world_size: int, *, pp_rank: int = 0, trainable=(), device: str 
     par = rc.parallel
     s = shard_bytes(build_rank(rc, layout, pp_rank, trainable), par.tp, par.ep, par.expert_tp)
     out = {}
-    for name, fmt, parallel in ((SHARDED, SHARDED, True), (RESHARDABLE, RESHARDABLE, True),
-                                ("before", RESHARDABLE, False)):
+    for name, fmt, parallel in ((SHARDED, SHARDED, True), (MODEL_SPACE, MODEL_SPACE, True),
+                                (RESHARDABLE, RESHARDABLE, True), ("before", RESHARDABLE, False)):
         w = rank_write(rc, s, fmt, parallel=parallel)
         host = _cpu_copied(rc, s, w, parallel) if device == "cpu" else w.host
         out[name] = {"bytes_per_rank": int(w.writes), "host_ram_peak_gib": host / GIB,

@@ -154,9 +154,10 @@ def rank_plans(rc, layout, trainable=()) -> list:
 
 def stage_checkpoint(rc, layout, cluster, trainable=(), fmt: str = "dp_reshardable", **kw):
     """The stage's checkpoint cost (:func:`planner.checkpoint.checkpoint_cost`) in format ``fmt``
-    (``dp_reshardable``: every save ``checkpointing/`` writes; ``fully_reshardable``: a stage's
-    final save into another layout, and with ``parallel=False, staging_copies_host=False`` every
-    save before); ``kw``: more of checkpoint_cost's arguments."""
+    (``dp_reshardable``: every save ``checkpointing/`` writes; ``model_space_shards``: a stage's
+    final save into another layout; ``fully_reshardable``: that save before, and with
+    ``parallel=False, staging_copies_host=False`` every save before issue 38); ``kw``: more of
+    checkpoint_cost's arguments."""
     from planner.checkpoint import checkpoint_cost
 
     done, shards = {}, []
@@ -170,10 +171,10 @@ def stage_checkpoint(rc, layout, cluster, trainable=(), fmt: str = "dp_reshardab
 
 def mark_stage_changes(stages, plans, cluster) -> None:
     """For each planned stage whose successor carries the optimizer state into another
-    model-parallel layout: its final save's cost in the fully_reshardable format
+    model-parallel layout: its final save's cost in the per-rank model-space format
     (``CheckpointCost.final_save``) and, on the successor's plan when it is planned too, the load
     of it (``stage_start_load_s``). ``stages``: the whole curriculum; ``plans``: those planned."""
-    from checkpointing.state import optimizer_layout_changes
+    from checkpointing.state import RESHARDABLE_OPTIMIZER_FORMAT, optimizer_layout_changes
     from pretrain.config.validation import check_run
 
     by_name = {p.name: p for p in plans}
@@ -182,14 +183,14 @@ def mark_stage_changes(stages, plans, cluster) -> None:
         if p is None or p.problems or nxt.optimizer_state != "carry":
             continue
         # a stage carrying the optimizer state into another model-parallel layout needs this
-        # stage's final save in megatron's fully_reshardable format (as the run decides it)
+        # stage's final save in the per-rank model-space format (as the run decides it)
         if not optimizer_layout_changes(st.rc.parallel, nxt.rc.parallel):
             continue
         layout_next, problems = check_run(nxt.rc, cluster.world_size, check_paths=False)
         if layout_next is None or problems:
             continue
         layout, _ = check_run(st.rc, cluster.world_size, check_paths=False)
-        final = stage_checkpoint(st.rc, layout, cluster, st.trainable, "fully_reshardable")
+        final = stage_checkpoint(st.rc, layout, cluster, st.trainable, RESHARDABLE_OPTIMIZER_FORMAT)
         p.checkpoint.final_save = {
             "format": final.fmt, "next_stage": nxt.name, "bytes_per_rank": final.bytes_per_rank,
             "host_ram_peak_gib": final.host_ram_peak_gib, "host_ram_every_rank_gib": final.host_ram_every_rank_gib,
@@ -197,7 +198,7 @@ def mark_stage_changes(stages, plans, cluster) -> None:
         q = by_name.get(nxt.name)
         if q is not None and not q.problems:
             q.checkpoint.stage_start_load_s = stage_checkpoint(
-                nxt.rc, layout_next, cluster, nxt.trainable, "fully_reshardable").load_s
+                nxt.rc, layout_next, cluster, nxt.trainable, RESHARDABLE_OPTIMIZER_FORMAT).load_s
 
 
 def plan_stage(name: str, steps: int, rc, world_size: int, cluster,

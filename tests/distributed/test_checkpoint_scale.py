@@ -145,3 +145,21 @@ def test_host_memory_of_a_save_is_what_the_planner_says(tmp_path):
         measured, planned = table[fmt]["host_ram_bytes"], table[fmt]["planned_host_ram_bytes"]
         assert abs(measured - planned) <= 0.25 * planned, (fmt, measured, planned)
     assert table["after"]["host_ram_bytes"] <= 0.5 * table["before"]["host_ram_bytes"]
+
+
+def test_stage_end_save_holds_only_its_own_share(tmp_path):
+    """A stage's final checkpoint at TP1 x DP2 loaded at TP2 (``benchmarks/checkpoint.py
+    --stage-end``): in the per-rank model-space format each rank holds at most half the host RAM
+    megatron's gathered format holds while saving, and every TP2 rank loads bit-identical state
+    (main parameters and moments), and takes a bit-identical next step, from either format."""
+    import json
+    import sys
+
+    out = tmp_path / "table.json"
+    with core_gate.whole_machine():
+        subprocess.run([sys.executable, "benchmarks/checkpoint.py", "--stage-end", "--ranks=2", "--hidden=256",
+                        "--layers=2", f"--work={tmp_path / 'work'}", f"--json={out}"],
+                       cwd=REPO, check=True, capture_output=True, timeout=600)
+    table = json.loads(out.read_text())
+    assert table["same_state"]
+    assert table["after"]["host_ram_bytes"] <= 0.5 * table["before"]["host_ram_bytes"], table
