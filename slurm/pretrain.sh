@@ -2,7 +2,9 @@
 # sbatch slurm/pretrain.sh [hydra overrides...]        (submit from the repo root)
 #
 # One training run: one srun task per GPU (or per CPU rank when no GPU is allocated: gloo), no
-# torchrun. Every #SBATCH default below can be overridden on the sbatch command line, e.g.
+# torchrun (a script of your own that launches torchrun should run `python -m pretrain.torchrun`
+# instead: torchrun exits 1, not 75, after a preemption; docs/reliability.md). Every #SBATCH
+# default below can be overridden on the sbatch command line, e.g.
 #   sbatch --nodes=64 --time=48:00:00 --signal=B:USR1@900 slurm/pretrain.sh model=glm5_744b parallel=glm5_h200_512gpu trainer.name=exp1
 #   sbatch --ntasks-per-node=4 --gpus-per-node=0 --cpus-per-task=1 slurm/pretrain.sh trainer.name=cpu4
 # The run dir is runs/<trainer.name> (or trainer.run_dir) under the submit dir, so a requeued job
