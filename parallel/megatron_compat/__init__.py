@@ -22,6 +22,9 @@ megatron-core's internals, in one package.
 - ``async_writer.py``: the spawned process that writes async checkpoint saves
   (:func:`spawned_writer_queue`), in place of megatron's fork per save; ``fixes.py``'s
   :func:`deferred_rank_zero_writes` keeps a save's rank-0-only write errors for every rank.
+- ``model_space_shards.py``: the distributed optimizer's state as each rank's own boxes of the
+  parameters' global tensors, the format of a stage's final checkpoint into another layout
+  (megatron's own gathers, or needs the flattened ranges 0.16.1 refuses).
 - ``meta_rank.py``: megatron's private ``parallel_state`` globals, ``torch.distributed``'s default
   group and ``torch.cuda.current_device`` as one rank of a layout sees them, without process
   groups, for the planner's meta builds (restored on exit).
