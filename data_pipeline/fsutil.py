@@ -41,8 +41,8 @@ def stamp(path: str) -> list[int]:
 def content_digest(path: str) -> str:
     """The :data:`ALGORITHM` hex digest of the whole file."""
     h = hashlib.new(ALGORITHM)
-    view = memoryview(bytearray(BLOCK))
     with open(path, "rb", buffering=0) as f:
+        view = memoryview(bytearray(max(1, min(BLOCK, os.fstat(f.fileno()).st_size))))  # small files: no 4 MiB
         while True:
             n = f.readinto(view)
             if not n:
