@@ -16,8 +16,9 @@ This is torchrun with two differences:
 - SIGTERM and SIGUSR1 to it are passed to each rank and torchrun goes on waiting: the ranks save
   and exit on their own time (bounded by the job's own kill: Slurm's ``KillWait`` after SIGTERM,
   the ``--signal`` grace for USR1), not the agent's 30 s;
-- when every rank that failed exited with 75, it exits with 75 after one line saying so; any other
-  failure is torchrun's report and status 1.
+- when a rank exited with 75 and every other failed rank did too or was stopped by the agent after
+  it (SIGTERM, SIGKILL), it exits with 75 after one line saying so; any other failure is
+  torchrun's report and status 1.
 
 Options are torchrun's (``--max-restarts`` > 0 would restart a preempted run in place, not
 end it). ``slurm/pretrain.sh`` needs none of this: it starts one srun task per rank.
@@ -56,13 +57,21 @@ def _forward(signum, frame) -> None:
             pass
 
 
+#: how the agent ends the ranks still running once one has exited: its stop signal, then SIGKILL
+STOPPED_BY_AGENT = {-signal.SIGTERM, -signal.SIGKILL}
+
+
 def exit_status(failures: dict) -> int:
-    """75 when every failed rank (``ChildFailedError.failures``: rank -> ProcessFailure) exited
-    with it, else torchrun's 1."""
+    """75 when some rank exited with it and every other failed rank (``ChildFailedError.failures``:
+    rank -> ProcessFailure) did too or was stopped by the agent after it, else torchrun's 1.
+    torchrun records the ranks it stops as failures too: in a preemption the ranks agree on a
+    step and save it together, and the first to exit gets the others, still exiting or (before
+    training) waiting for a peer in the process group's start, SIGTERMed (and SIGKILLed 30 s
+    later)."""
     from pretrain.reliability.faults import PREEMPTED_EXIT
 
     codes = {f.exitcode for f in failures.values()}
-    return PREEMPTED_EXIT if codes == {PREEMPTED_EXIT} else 1
+    return PREEMPTED_EXIT if PREEMPTED_EXIT in codes and codes <= {PREEMPTED_EXIT, *STOPPED_BY_AGENT} else 1
 
 
 def main(argv: list[str]) -> int:
@@ -82,9 +91,9 @@ def main(argv: list[str]) -> int:
         if status == 1:
             print(e.format_msg(), file=sys.stderr, flush=True)
         else:
-            print(f"pretrain.torchrun: rank{'s' if len(e.failures) > 1 else ''} "
-                  f"{', '.join(str(r) for r in sorted(e.failures))} stopped for preemption; exit {status}",
-                  file=sys.stderr, flush=True)
+            saved = sorted(r for r, f in e.failures.items() if f.exitcode == status)
+            print(f"pretrain.torchrun: rank{'s' if len(saved) > 1 else ''} {', '.join(map(str, saved))} "
+                  f"stopped for preemption; exit {status}", file=sys.stderr, flush=True)
         return status
     return 0
 

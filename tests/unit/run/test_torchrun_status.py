@@ -1,5 +1,6 @@
 """``python -m pretrain.torchrun``'s exit status from torchrun's failure report
-(``ChildFailedError.failures``): 75 only when every failed rank exited with 75."""
+(``ChildFailedError.failures``, which also lists the ranks the agent stopped): 75 only when a rank
+exited with 75 and every other failed rank did too or was stopped by the agent (SIGTERM/SIGKILL)."""
 
 from __future__ import annotations
 
@@ -17,12 +18,15 @@ def _failures(**codes):
 
 @pytest.mark.parametrize("codes, status", [
     ({"rank0": 75, "rank1": 75}, PREEMPTED_EXIT),
-    ({"rank1": 75}, PREEMPTED_EXIT),  # the agent stopped rank 0 (not a failure of its own)
+    ({"rank1": 75}, PREEMPTED_EXIT),
+    ({"rank1": 75, "rank0": -15}, PREEMPTED_EXIT),  # the agent SIGTERMed rank 0 as it was exiting too
+    ({"rank0": 75, "rank1": -9}, PREEMPTED_EXIT),  # rank 1 waited in the group's start: SIGKILLed 30 s on
     ({"rank0": 1}, 1),
+    ({"rank0": -15, "rank1": -15}, 1),  # no rank saved and exited with 75
     ({"rank0": 75, "rank1": 1}, 1),  # a rank crashed: not a clean preemption
-    ({"rank0": 75, "rank1": -9}, 1),  # a rank killed before it saved
+    ({"rank0": 75, "rank1": -11}, 1),
 ])
-def test_torchrun_status_is_75_only_when_every_failed_rank_exited_75(codes, status):
+def test_torchrun_status_is_75_only_for_a_clean_preemption(codes, status):
     from pretrain.torchrun import exit_status
 
     assert exit_status(_failures(**codes)) == status
