@@ -117,8 +117,8 @@ def _stage_steps(s: StageConfig, rc, where: str, problems: list) -> int:
         if steps <= 0:
             problems.append(f"{where}.steps={steps} must be > 0")
         return steps
-    if not s.tokens > 0:
-        problems.append(f"{where}.tokens={s.tokens} must be > 0")
+    if not _positive(s.tokens):  # inf too: no whole number of steps
+        problems.append(f"{where}.tokens={s.tokens} must be a finite number > 0")
         return 0
     per_step = _or(s.global_batch_size, rc.trainer.global_batch_size) * _or(s.seq_length, rc.trainer.seq_length)
     return math.ceil(s.tokens / per_step) if per_step > 0 else 0

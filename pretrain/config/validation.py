@@ -3,12 +3,13 @@
 Each check (model, parallel layout, schedule, data, faults, curriculum, command-line overrides,
 the run dir, ``checkpoint.init_from``'s tensor shapes) returns a list of problems naming fields
 and values; :func:`plan_run` gathers them, prefixes each stage's with its name, and raises one
-:class:`~pretrain.config.errors.ConfigError` listing all.
+:class:`~pretrain.config.errors.ConfigError` listing all. Before them, every number of the
+config against its range (:mod:`pretrain.config.numbers`): those are named alone, since the
+other checks compute with them.
 """
 
 from __future__ import annotations
 
-import math
 import os
 
 from typing import Sequence
@@ -16,6 +17,7 @@ from typing import Sequence
 from pretrain.reliability import faults
 from pretrain.config.schema import RunConfig
 from pretrain.config.errors import ConfigError
+from pretrain.config.numbers import check_numbers
 from pretrain.config.overrides import Change, reach, replaced_by_preset
 from pretrain.reliability.run_lock import check_run_dir
 
@@ -55,17 +57,8 @@ def check_run(rc: RunConfig, world_size: int, check_paths: bool = True):
         problems += _dense_only_pipeline_ranks(rc, layout)
     problems += check_schedule(rc.scheduler, rc.optimizer, t.steps)
     problems += check_moments(rc.optimizer, rc.parallel.distributed_optimizer)
-    if t.steps < 0:
-        problems.append(f"trainer.steps={t.steps} must be >= 0")
     if not (t.name or "").strip():
         problems.append(f"trainer.name={t.name!r} is empty: it names the run (its run dir runs/<name>, its W&B run)")
-    ck = rc.checkpoint
-    if ck.keep_last < 0:
-        problems.append(f"checkpoint.keep_last={ck.keep_last} must be >= 0 (0: keep all)")
-    if ck.save_every < 0:
-        problems.append(f"checkpoint.save_every={ck.save_every} must be >= 0 (0: off)")
-    if not math.isfinite(ck.save_every_minutes) or ck.save_every_minutes < 0:
-        problems.append(f"checkpoint.save_every_minutes={ck.save_every_minutes} must be a finite number >= 0 (0: off)")
     problems += check_data(rc.data, rc.model.vocab_size, check_paths)
     if rc.logger.wandb.mode not in ("online", "offline", "disabled"):
         problems.append(f"logger.wandb.mode={rc.logger.wandb.mode!r} must be online, offline or disabled")
@@ -117,6 +110,7 @@ def plan_run(rc: RunConfig, world_size: int, changes: Sequence[Change] = (), che
     listed once with their names."""
     from pretrain.curriculum import IMPLICIT_STAGE, PRESET_STAGE_KEYS, plan
 
+    check_numbers(rc)  # first: the checks below compute with these numbers
     stages, problems = plan(rc)
     implicit = not rc.curriculum.stages
     by_problem: dict[str, list[str]] = {}
