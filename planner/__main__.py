@@ -87,10 +87,12 @@ def resolve_run(overrides: list[str], world_size: int):
     from pretrain.config.schema import CONF_DIR, compose, to_run_config
     from pretrain.curriculum import plan
     from pretrain.config.overrides import changed_fields
+    from pretrain.config.numbers import check_numbers
     from pretrain.config.validation import plan_run
 
     cfg = compose(overrides)
     rc = to_run_config(cfg)
+    check_numbers(rc)  # bad input (exit 2): a NaN or a zero divisor is not something --search can fix
     stages, problems = plan(rc)
     if problems:
         raise ConfigError("invalid curriculum", problems)

@@ -14,6 +14,7 @@ import os
 from dataclasses import dataclass, fields
 
 from pretrain.config.errors import ConfigError
+from pretrain.config.numbers import Rule, count, non_negative, positive, table_problems
 
 CLUSTER_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                            "conf", "cluster")
@@ -105,29 +106,30 @@ class ClusterConfig:
         return self.nodes * self.fs_read_gbps_per_node
 
     def problems(self, where: str) -> list[str]:
-        p = []
-        for f in ("nodes", "gpus_per_node"):
-            if getattr(self, f) < 1:
-                p.append(f"{where}: cluster.{f}={getattr(self, f)} must be >= 1")
-        for f in ("gpu_memory_gib", "bf16_tflops", "fp8_tflops", "tf32_tflops", "nvlink_gbps",
-                  "internode_gbps", "hbm_gbps", "fp32_tflops", "d2h_gbps", "fs_write_gbps_per_node",
-                  "fs_read_gbps_per_node", "client_write_gbps", "client_read_gbps"):
-            if not getattr(self, f) > 0:
-                p.append(f"{where}: cluster.{f}={getattr(self, f)} must be > 0")
-        for f in ("matmul_efficiency", "fp8_matmul_efficiency", "attention_efficiency", "indexer_efficiency",
-                  "hbm_efficiency", "comm_efficiency", "alltoall_efficiency", "flex_rdma_efficiency",
-                  "flex_nvlink_efficiency"):
-            if not 0 < getattr(self, f) <= 1:
-                p.append(f"{where}: cluster.{f}={getattr(self, f)} must be in (0, 1]")
-        for f in ("tp_overlap", "ep_overlap", "cp_overlap", "dp_overlap", "pp_overlap"):
-            if not 0 <= getattr(self, f) <= 1:
-                p.append(f"{where}: cluster.{f}={getattr(self, f)} must be in [0, 1]")
-        if not self.moe_imbalance >= 1:
-            p.append(f"{where}: cluster.moe_imbalance={self.moe_imbalance} must be >= 1 (busiest rank / mean)")
-        for f in ("launch_gap_us", "ckpt_fixed_s"):
-            if not getattr(self, f) >= 0:
-                p.append(f"{where}: cluster.{f}={getattr(self, f)} must be >= 0")
-        return p
+        return [f"{where}: {p}" for p in table_problems(self, CLUSTER_RULES, "cluster")]
+
+
+def _cluster_rules() -> dict:
+    """Every numeric field of :class:`ClusterConfig` -> its :class:`~pretrain.config.numbers.Rule`
+    (finite: an infinite bandwidth or peak would plan a step of no time)."""
+    share, fraction = Rule(lo=0, hi=1, lo_open=True), Rule(lo=0, hi=1)
+    rules = {"nodes": count(1), "gpus_per_node": count(1),
+             "moe_imbalance": Rule(lo=1, note="busiest rank / mean"),
+             "launch_gap_us": non_negative(), "ckpt_fixed_s": non_negative()}
+    for f in ("gpu_memory_gib", "bf16_tflops", "fp8_tflops", "tf32_tflops", "nvlink_gbps",
+              "internode_gbps", "hbm_gbps", "fp32_tflops", "d2h_gbps", "fs_write_gbps_per_node",
+              "fs_read_gbps_per_node", "client_write_gbps", "client_read_gbps"):
+        rules[f] = positive()
+    for f in ("matmul_efficiency", "fp8_matmul_efficiency", "attention_efficiency", "indexer_efficiency",
+              "hbm_efficiency", "comm_efficiency", "alltoall_efficiency", "flex_rdma_efficiency",
+              "flex_nvlink_efficiency"):
+        rules[f] = share
+    for f in ("tp_overlap", "ep_overlap", "cp_overlap", "dp_overlap", "pp_overlap"):
+        rules[f] = fraction
+    return {f"cluster.{k}": v for k, v in rules.items()}
+
+
+CLUSTER_RULES = _cluster_rules()
 
 
 def preset_names() -> list[str]:
