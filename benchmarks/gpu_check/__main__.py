@@ -7,6 +7,7 @@ import argparse
 import datetime
 import importlib
 import json
+import math
 import os
 import re
 import sys
@@ -97,16 +98,24 @@ DEFAULT_ESTIMATE_S = 5
 TINY_SEQ = (16, 4096)  #: --seq bounds: the tiny GLM-5's sequence on one device
 
 
+#: each numeric option: (argparse name, what it must be, the test); None (the default) passes.
+#: Kept here rather than in pretrain.config.numbers: importing the run's packages would load
+#: megatron before --device cpu sets TRITON_INTERPRET
+NUMERIC_ARGS = (
+    ("steps", "at least 2 (the losses must be seen to fall)", lambda v: v >= 2),
+    ("seq", f"between {TINY_SEQ[0]} and {TINY_SEQ[1]} (the tiny model's sequence)",
+     lambda v: TINY_SEQ[0] <= v <= TINY_SEQ[1]),
+    ("reps", "at least 1", lambda v: v >= 1),
+    ("budget_s", "a positive number of seconds", lambda v: math.isfinite(v) and v > 0),
+)
+
+
 def _bad_arguments(args) -> str | None:
     """The first argument error, named with its value (checked before any work)."""
-    if args.steps is not None and args.steps < 2:
-        return f"--steps {args.steps}: at least 2 (the losses must be seen to fall)"
-    if args.seq is not None and not TINY_SEQ[0] <= args.seq <= TINY_SEQ[1]:
-        return f"--seq {args.seq}: between {TINY_SEQ[0]} and {TINY_SEQ[1]} (the tiny model's sequence)"
-    if args.reps < 1:
-        return f"--reps {args.reps}: at least 1"
-    if args.budget_s is not None and args.budget_s <= 0:
-        return f"--budget-s {args.budget_s}: a positive number of seconds"
+    for name, must, ok in NUMERIC_ARGS:
+        value = getattr(args, name)
+        if value is not None and not ok(value):
+            return f"--{name.replace('_', '-')} {value}: {must}"
     if args.json is not None:
         folder = os.path.dirname(os.path.abspath(args.json)) or "."
         if os.path.isdir(args.json):

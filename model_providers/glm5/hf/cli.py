@@ -55,8 +55,8 @@ def _loss(args) -> dict:
     if array.dtype.kind not in "iu":  # a float array would be truncated to other token ids
         raise SystemExit(f"error: --tokens {args.tokens} holds {array.dtype} values: token ids must be an integer array")
     tokens = torch.from_numpy(array).long()
-    if tokens.ndim != 2 or tokens.shape[1] < 2:
-        raise SystemExit(f"error: --tokens must be a [batch, seq>=2] int array, got shape {tuple(tokens.shape)}")
+    if tokens.ndim != 2 or tokens.shape[0] < 1 or tokens.shape[1] < 2:
+        raise SystemExit(f"error: --tokens must be a [batch>=1, seq>=2] int array, got shape {tuple(tokens.shape)}")
     if args.hf:
         from model_providers.glm5.hf.evaluate import hf_next_token_loss
 
@@ -91,6 +91,21 @@ def _loss(args) -> dict:
     loss, n = next_token_loss(chunks, tokens)
     parallel_state.destroy_model_parallel()
     return {"loss": loss, "tokens": n}
+
+
+def _arg_rules() -> dict:
+    """Each numeric option (argparse's name) -> its :class:`~pretrain.config.numbers.Rule`."""
+    from pretrain.config.numbers import count, positive
+
+    return {"mtp_steps": count(0, note="0: no MTP module"), "max_shard_gb": positive(),
+            "tp": count(1), "pp": count(1), "ep": count(1), "etp": count(1, optional=True, note="null: --tp")}
+
+
+def bad_arguments(args) -> list[str]:
+    """Every numeric option out of its range, named as typed (``--max-shard-gb=nan ...``)."""
+    rules = _arg_rules()
+    return [why for name, value in vars(args).items() if name in rules
+            for why in [rules[name].problem("--" + name.replace("_", "-"), value)] if why]
 
 
 def _user_errors() -> tuple:
@@ -129,6 +144,9 @@ def main(argv=None) -> None:
     lo.add_argument("--cpu-emulation", choices=["plain", "strict"], default="plain",
                     help="without CUDA: strict also checks device placement (parallel.cpu_emulation)")
     args = p.parse_args(argv)
+    bad = bad_arguments(args)
+    if bad:  # before any file is read or written
+        raise SystemExit(f"error: {'; '.join(bad)}")
     owned = not torch.distributed.is_initialized()
     try:
         result = {"import": _import, "export": _export, "loss": _loss}[args.cmd](args)
