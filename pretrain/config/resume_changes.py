@@ -16,6 +16,17 @@ its stream that earlier stages read, where it starts) and ``data stream continue
 stage whose stream it continues, :func:`pretrain.curriculum._assign_data_offsets`). An earlier
 stage's other step count or mixture moves them; they are listed with it.
 
+A stage the checkpoint is in the middle of compares its stream's length too (``data stream
+samples``: every stage on the stream reads it, so it is the ``num_samples`` its sample index is
+built for, :func:`pretrain.data_prep.stage_request`). A stage on that stream added, removed
+or resized (a stage appended to continue it, most often) changes that length, and megatron
+orders even the stream's first samples by it: a concat-layout corpus (megatron's ``GPTDataset``
+indices) whose epoch count, or whether its last epoch is shuffled apart (under 80% of one),
+changes is reshuffled from its first sample (the blend's corpus order and the ``best_fit`` layout
+are prefix-stable). The rest of the stage would then read another order than the one its
+checkpoint trained on. Once the stage has ended, the stream's later stages may change like any
+stage not yet begun.
+
 The stages up to and including the checkpoint's must be the same names in the same order. A
 stage inserted, removed or moved there is refused even with ``allow_config_change``
 (:class:`CurriculumOrderChanged`): the checkpoint's weights hold what the old order trained, so
@@ -137,8 +148,34 @@ def training_changes(old_stages: list, new_stages: list, stage_name: str, stage_
                     changes.append(f"{where}{_name(key)}: {a.get(key)!r} in the checkpoint -> "
                                    f"{b.get(key)!r} now{note}")
         if old.name == stage_name:
+            if new is not None and stage_step < old.steps:  # in the middle of it: its stream goes on
+                moved = stream_change(old, new, old_stages, new_stages, stage_step)
+                changes += [where + moved] if moved else []
             break
     return changes
+
+
+def stream_change(old, new, old_stages: list, new_stages: list, stage_step: int) -> Optional[str]:
+    """None when the stage ``old`` (resumed at ``stage_step``) has its data stream built for the
+    same length as ``new``, else the line naming both lengths and why that matters."""
+    if old.stream_samples == new.stream_samples:
+        return None
+    was, now = _on_stream(old_stages, old.name), _on_stream(new_stages, new.name)
+    members = f" (the stream's stages: {was} in the checkpoint -> {now} now)" if was != now else ""
+    at = old.data_offset + stage_step * old.rc.trainer.global_batch_size
+    return (f"data stream samples (the length its sample index is built for): {old.stream_samples} in the "
+            f"checkpoint -> {new.stream_samples} now{members}; megatron orders even the stream's first "
+            f"samples by its length (a concat corpus whose epoch count changes is reshuffled), so this "
+            f"stage would go on from sample {at} of another order than the one it trained on: keep the "
+            f"stream's stages as they were until this stage has ended")
+
+
+def _on_stream(stages: list, name: str) -> list[str]:
+    """The stages reading the same data stream as stage ``name`` (``continues`` chains)."""
+    root: dict = {}
+    for s in stages:
+        root[s.name] = root.get(s.continues, s.continues) if s.continues else s.name
+    return [s.name for s in stages if root[s.name] == root.get(name)]
 
 
 def _name(key: str) -> str:

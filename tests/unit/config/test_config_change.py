@@ -43,8 +43,10 @@ def test_extending_a_finished_run_is_named():
     [change] = training_changes(old, new, "pretrain", 60)
     assert change.startswith("steps: 60 in the checkpoint -> 100 now (extends a finished schedule: the "
                              "extra steps would run at its final LR")
-    [mid] = training_changes(old, new, "pretrain", 30)  # mid-run: the schedule itself changes
+    mid, stream = training_changes(old, new, "pretrain", 30)  # mid-run: the schedule itself changes
     assert mid == "steps: 60 in the checkpoint -> 100 now"
+    assert stream.startswith("data stream samples (the length its sample index is built for): 960 in the "
+                             "checkpoint -> 1600 now; megatron orders")  # ... and its data's order
 
 
 def test_curriculum_stages_begun_are_compared_and_later_ones_may_change():
@@ -125,14 +127,69 @@ def test_a_begun_stage_that_moves_in_its_data_stream_is_listed():
     assert training_changes(old, longer, "dsa_warmup", 3) == [
         "stage 'extend_1024': steps: 4 in the checkpoint -> 6 now",
         "stage 'dsa_warmup': data offset (samples of its data stream read by earlier stages): "
-        "8 in the checkpoint -> 12 now"]
+        "8 in the checkpoint -> 12 now",
+        f"stage 'dsa_warmup': {STREAM} 36 in the checkpoint -> 40 now; {REORDERS} 14 {KEEP}"]
     own_stream = _stages("curriculum.stages.4.mixture=default")  # extend_1024 leaves the stream
     changes = training_changes(old, own_stream, "dsa_warmup", 3)
-    assert changes[-2:] == [
+    assert changes[-3:] == [
         "stage 'dsa_warmup': data stream continues stage: 'extend_1024' in the checkpoint -> None now",
         "stage 'dsa_warmup': data offset (samples of its data stream read by earlier stages): "
-        "8 in the checkpoint -> 0 now"]
+        "8 in the checkpoint -> 0 now",
+        f"stage 'dsa_warmup': {STREAM} 36 in the checkpoint -> 28 now (the stream's stages: {LONG_1024} in "
+        f"the checkpoint -> ['dsa_warmup', 'dsa_sparse'] now); {REORDERS} 14 {KEEP}"]
     assert training_changes(old, longer, "extend_512", 3) == []  # extend_1024 not begun: free
+
+
+STREAM = "data stream samples (the length its sample index is built for):"
+REORDERS = ("megatron orders even the stream's first samples by its length (a concat corpus whose epoch "
+            "count changes is reshuffled), so this stage would go on from sample")
+KEEP = "of another order than the one it trained on: keep the stream's stages as they were until this stage has ended"
+LONG_1024 = "['extend_1024', 'dsa_warmup', 'dsa_sparse']"  # long_context at 1024: one stream
+
+
+def _append_sparse(stages):
+    """A stage after dsa_sparse on the same data: it continues their stream (4 x 2 more samples)."""
+    return stages + [StageConfig(name="sparse_more", steps=4, seq_length=1024, global_batch_size=2,
+                                 micro_batch_size=2, mixture="long_context", dsa_mode="sparse",
+                                 lr=StageLRConfig(warmup_steps=0))]
+
+
+def test_a_stage_appended_on_the_resumed_stages_stream_is_listed():
+    """The stream's index is built for all its stages' samples, and megatron orders its first
+    samples by that count: the rest of the resumed stage would read another order (measured on
+    the default data: a concat corpus whose epoch count changes is reshuffled from sample 0)."""
+    old, appended = _stages(), _reordered(_append_sparse)
+    assert training_changes(old, appended, "dsa_warmup", 3) == [
+        f"stage 'dsa_warmup': {STREAM} 36 in the checkpoint -> 44 now (the stream's stages: {LONG_1024} "
+        f"in the checkpoint -> {LONG_1024[:-1]}, 'sparse_more'] now); {REORDERS} 14 {KEEP}"]
+    [sparse] = training_changes(old, appended, "dsa_sparse", 5)
+    assert sparse.startswith(f"stage 'dsa_sparse': {STREAM} 36 in the checkpoint -> 44 now") and \
+        f"{REORDERS} 34 of" in sparse  # 24 before it + 5 x 2 of its own
+    assert training_changes(old, appended, "dsa_warmup", 8) == []  # ended: sparse_more is not begun
+    assert training_changes(old, appended, "dsa_sparse", 6) == []
+    assert training_changes(old, appended, "extend_512", 2) == []  # another stream (512)
+
+
+def test_a_new_stream_length_is_one_error_line_or_recorded(monkeypatch, tmp_path):
+    import json
+
+    from pretrain.config.errors import ConfigError
+
+    rc = to_run_config(compose([]))
+    rc.curriculum.stages = _append_sparse(rc.curriculum.stages)
+    state = {"stage": "dsa_warmup", "stage_step": 3, "step": 43}
+    with pytest.raises(ConfigError) as e:
+        _resume_check(monkeypatch, tmp_path, [], rc, state)
+    assert e.value.brief() == (
+        "the config trains differently from the one ckpt/iter_0000003 was trained with (to accept and "
+        f"record it: checkpoint.allow_config_change=true): stage 'dsa_warmup': {STREAM} 36 in the checkpoint "
+        f"-> 44 now (the stream's stages: {LONG_1024} in the checkpoint -> {LONG_1024[:-1]}, 'sparse_more'] "
+        f"now); {REORDERS} 14 {KEEP}")
+    assert not (tmp_path / "config_history.jsonl").exists()
+    rc.checkpoint.allow_config_change = True
+    _resume_check(monkeypatch, tmp_path, [], rc, state)
+    [entry] = [json.loads(line) for line in (tmp_path / "config_history.jsonl").read_text().splitlines()]
+    assert entry["step"] == 43 and entry["changes"] == [e.value.problems[0]]
 
 
 def test_another_shard_count_is_another_sample_order():
@@ -162,9 +219,10 @@ def test_allow_config_change_records_a_moved_offset_but_not_a_new_order(monkeypa
     longer = to_run_config(compose(["curriculum.stages.4.steps=6", "checkpoint.allow_config_change=true"]))
     _resume_check(monkeypatch, tmp_path, [], longer, {"stage": "dsa_warmup", "stage_step": 3, "step": 43})
     [entry] = [json.loads(line) for line in (tmp_path / "config_history.jsonl").read_text().splitlines()]
-    assert entry["step"] == 43 and entry["changes"][-1] == (
+    assert entry["step"] == 43 and entry["changes"][1:] == [
         "stage 'dsa_warmup': data offset (samples of its data stream read by earlier stages): "
-        "8 in the checkpoint -> 12 now")
+        "8 in the checkpoint -> 12 now",
+        f"stage 'dsa_warmup': {STREAM} 36 in the checkpoint -> 40 now; {REORDERS} 14 {KEEP}"]
     (tmp_path / "config_history.jsonl").unlink()
     reordered = to_run_config(compose(["checkpoint.allow_config_change=true"]))
     reordered.curriculum.stages = [reordered.curriculum.stages[i] for i in (1, 0, 2, 3, 4, 5, 6)]
