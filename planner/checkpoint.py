@@ -57,7 +57,7 @@ FP32 = 4
 #: default, effective with Transformer Engine >= 2.1
 STORE_PARAM_REMAINDERS = True
 #: the staging of a save copies tensors already in host memory too
-#: (parallel.megatron_compat.fixes._checkpoint_staging_copies_host_tensors)
+#: (parallel.megatron_compat.fixes._checkpoint_staging_into_shared_memory)
 STAGING_COPIES_HOST_TENSORS = True
 #: the save interval's rules: at most this much work lost to a failure (the interval plus the save
 #: still in flight) ...

@@ -17,7 +17,7 @@ megatron-core 0.16.1's ``AsyncCallsQueue`` has two callers (``strategies/async_u
 
 :class:`SpawnedWriter` is a third ``AsyncCaller`` for megatron's own queue: the training process
 stages the tensors as the temporal caller does (``preload_fn``: the device-to-host copy on GPUs, a
-copy on CPU ranks, ``fixes._checkpoint_staging_copies_host_tensors``), hands the host copy to one
+copy on CPU ranks, into shared memory reused by every save: ``fixes.StagingBuffers``), hands it to one
 spawned writer per training process (shared memory), which runs megatron's write function
 (``FileSystemWriterAsync.write_preloaded_data_multiproc``; its per-file writers are forks of the
 writer, a process that never touched CUDA) and sends the write results back with its completion

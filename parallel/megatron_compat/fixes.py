@@ -152,32 +152,78 @@ def _rank_zero_writes_defer_their_errors() -> None:
     serialization.save_config = deferring(serialization.save_config)
 
 
-def _checkpoint_staging_copies_host_tensors() -> None:
+class StagingBuffers:
+    """The host buffers a rank stages its checkpoint writes into: shared memory, so the spawned
+    async writer (``async_writer.py``) receives them without a copy (torch's pickling moves a
+    tensor that is not in shared memory there: a second staged copy), pinned on GPU ranks
+    (``cudaHostRegister``) so the device-to-host copy runs at pinned speed. Kept and reused while
+    the saves' tensors keep their shapes and dtypes (one save is in flight at a time, and every
+    save of a stage has the same structure): the host memory a save needs is held from the first
+    save on, and no save allocates, registers or maps it again. A save of another structure (a
+    stage's final save, the next stage's layout) replaces them."""
+
+    def __init__(self):
+        self.signature: tuple = ()
+        self.buffers: list = []
+
+    def for_tensors(self, tensors: list) -> list:
+        signature = tuple((tuple(t.shape), t.dtype) for t in tensors)
+        if signature != self.signature:
+            self.release()
+            self.buffers = [self._allocate(shape, dtype) for shape, dtype in signature]
+            self.signature = signature
+        return self.buffers
+
+    @staticmethod
+    def _allocate(shape, dtype):
+        buf = torch.empty(shape, dtype=dtype).share_memory_()
+        if torch.cuda.is_available() and buf.numel():
+            _check_cuda(torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), buf.numel() * buf.element_size(), 0))
+        return buf
+
+    def release(self) -> None:
+        if torch.cuda.is_available():
+            for buf in self.buffers:
+                if buf.numel():
+                    _check_cuda(torch.cuda.cudart().cudaHostUnregister(buf.data_ptr()))
+        self.buffers, self.signature = [], ()
+
+
+def _check_cuda(status) -> None:
+    code = getattr(status, "value", status)
+    if code:
+        raise RuntimeError(f"cudaHostRegister/Unregister of a checkpoint staging buffer failed: CUDA error {code}")
+
+
+STAGING = StagingBuffers()  #: this process's (every save of it goes through megatron's preload)
+
+
+def _checkpoint_staging_into_shared_memory() -> None:
     """megatron's torch_dist writer stages what a rank writes to host memory before writing it
     (``FileSystemWriterAsync.preload_tensors``: ``tensor.to("cpu")``, for synchronous saves too),
-    and an async save's writer then writes that copy while training changes the originals. For a
-    tensor already on the host ``.to("cpu")`` is the tensor itself: on CPU ranks the writer read
-    live training state (correct only through the copy-on-write of megatron's fork), and a save
-    held none of the host memory it holds on a GPU node. On CPU ranks (the CPU emulation) the
-    tensors are copied here (in the training process, before the copy goes to the async writer,
-    ``async_writer.py``), so a CPU save stages, snapshots and uses host memory as a GPU save
-    does (what the planner's ``host_ram_peak_gib`` counts); GPU ranks are left as they are (their
-    host tensors, e.g. a gathered optimizer state, are copies already)."""
+    and an async save's writer then writes that copy while training changes the originals.
+    Upstream, ``.to("cpu")`` allocates new host memory per save and is the tensor itself for one
+    already on the host: on CPU ranks the writer read live training state (correct only through
+    the copy-on-write of megatron's fork), and handing a staged tensor to a spawned writer would
+    copy it again into shared memory. Here every tensor is copied into :data:`STAGING`'s
+    shared-memory buffers (pinned on GPU ranks), on CPU and GPU ranks alike: a save stages one
+    snapshot of what the rank writes, which the planner's ``host_ram_peak_gib`` counts."""
     from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
-
-    from parallel.megatron_compat import cpu_emulation
 
     preload = FileSystemWriterAsync.preload_tensors
 
     @functools.wraps(preload)
-    def preload_copying_host_tensors(write_buckets, non_blocking=True):
-        if not cpu_emulation.is_active():  # GPU ranks: host tensors are already copies (gathers)
-            return preload(write_buckets, non_blocking)
-        host = [(f, key, (data, [(item, t.clone() if t.device.type == "cpu" else t) for item, t in tensors]))
-                for f, key, (data, tensors) in write_buckets]
-        return preload(host, non_blocking)
+    def preload_into_shared_memory(write_buckets, non_blocking=True):
+        buffers = iter(STAGING.for_tensors([t for _, _, (_, tensors) in write_buckets for _, t in tensors]))
+        staged = []
+        for f, key, (data, tensors) in write_buckets:
+            staged.append((f, key, (data, [(item, next(buffers).copy_(t.detach(), non_blocking=non_blocking))
+                                           for item, t in tensors])))
+        if non_blocking and torch.cuda.is_available():
+            torch.cuda.synchronize()
+        return staged
 
-    FileSystemWriterAsync.preload_tensors = staticmethod(preload_copying_host_tensors)
+    FileSystemWriterAsync.preload_tensors = staticmethod(preload_into_shared_memory)
 
 
 def _batched_p2p_pairs_same_peer_by_direction() -> None:
@@ -229,7 +275,7 @@ def install() -> None:
     _te_probes_without_transformer_engine()
     _in_process_checkpoint_write_results()
     _rank_zero_writes_defer_their_errors()
-    _checkpoint_staging_copies_host_tensors()
+    _checkpoint_staging_into_shared_memory()
     _batched_p2p_pairs_same_peer_by_direction()
     distrib_optimizer.install()
     mtp.install()

@@ -67,7 +67,7 @@ assert multi_token_prediction.roll_tensor is mtp.roll_within_documents
 assert type(filesystem_async._results_queue) is queue.Queue
 assert DistributedOptimizer.load_parameter_state_from_dp_reshardable.__code__.co_name == "load_dp_reshardable_without_grad"
 assert DistributedOptimizer.sharded_param_state_dp_reshardable.__code__.co_name == "sharded_with_zero_padding"
-assert filesystem_async.FileSystemWriterAsync.preload_tensors.__code__.co_name == "preload_copying_host_tensors"
+assert filesystem_async.FileSystemWriterAsync.preload_tensors.__code__.co_name == "preload_into_shared_memory"
 assert CheckpointFunction.forward.__name__ == "forward_in_micro_batch"
 assert Attention._checkpointed_attention_forward.__code__.co_name == "checkpointed_attention_forward"
 assert transformer_engine.te_checkpoint.__code__.co_name == "checkpoint_in_micro_batch"
@@ -362,22 +362,28 @@ def test_checkpoint_write_results_stay_in_process():
     assert filesystem_async._get_write_results_queue() is in_process
 
 
-def test_checkpoint_staging_copies_host_tensors():
-    """A save's staged tensors are a snapshot on CPU ranks too (on GPU ranks the D2H copy is one):
-    changing the training tensor after staging does not change what is written."""
+def test_checkpoint_staging_is_a_shared_memory_snapshot_reused_by_the_next_save():
+    """A save's staged tensors are a snapshot (changing the training tensor after staging does not
+    change what is written), in shared memory (the spawned writer gets them without a copy), and
+    the next save of the same structure stages into the same buffers (no new host memory)."""
     from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
 
     from parallel.megatron_compat import cpu_emulation
 
     megatron_compat.install()
     cpu_emulation.install()  # a CPU rank's
-    live = torch.arange(6.0)
-    [(name, key, (data, [(item, staged)]))] = FileSystemWriterAsync.preload_tensors(
-        [("f.distcp", "k", ([], [("item", live)]))], non_blocking=False)
+    live, other = torch.arange(6.0), torch.ones(2, 3, dtype=torch.bfloat16)
+    buckets = [("f.distcp", "k", ([], [("item", live), ("other", other)]))]
+    [(name, key, (data, [(item, staged), (_, staged_other)]))] = FileSystemWriterAsync.preload_tensors(
+        buckets, non_blocking=False)
     live.add_(100.0)  # the next optimizer step
     assert (name, key, item) == ("f.distcp", "k", "item")
-    assert torch.equal(staged, torch.arange(6.0))
+    assert torch.equal(staged, torch.arange(6.0)) and torch.equal(staged_other, other)
     assert staged.untyped_storage().data_ptr() != live.untyped_storage().data_ptr()
+    assert staged.is_shared() and staged_other.is_shared() and staged_other.dtype == torch.bfloat16
+    [(_, _, (_, [(_, again), _]))] = FileSystemWriterAsync.preload_tensors(buckets, non_blocking=False)
+    assert torch.equal(again, torch.arange(6.0) + 100.0)
+    assert again.data_ptr() == staged.data_ptr()  # the same buffer, refilled
 
 
 # --- batched pipeline exchanges between the two ranks of a PP2 group (2 real gloo ranks) ----------
