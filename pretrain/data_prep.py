@@ -93,6 +93,24 @@ class DataNotPrepared(ConfigError):
         return self.line
 
 
+def data_errors() -> tuple:
+    """The exceptions a data build or check raises for bad input, not bugs (a corpus that cannot
+    be read, a damaged or unprepared one, data the config does not fit): what a launch and
+    ``python -m data_pipeline.prepare`` print as one ``error:`` line (:func:`error_line`)."""
+    from data_pipeline.config import DataConfigError
+    from data_pipeline.readers import DataError  # CorpusDamaged is one
+
+    return DataError, DataConfigError
+
+
+def error_line(e: BaseException) -> str:
+    """A data error's message on one line: the list of lines ``  - a``, ``  - b`` under a first line
+    ``...:`` (e.g. the files of a damaged corpus) joined as ``...: a; b``."""
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()] or [type(e).__name__]
+    items = [ln[2:] if ln.startswith("- ") else ln for ln in lines[1:]]
+    return f"{lines[0]} {'; '.join(items)}" if items else lines[0]
+
+
 def before_process_group(rc, stages: list, env, overrides: Optional[Sequence[str]] = None,
                          group_given: bool = False) -> None:
     """What a training launch does about its data before any collective (``env``: this rank's
@@ -184,8 +202,6 @@ def main(argv: list[str]) -> int:
 
 
 def _main(argv: list[str]) -> int:
-    from data_pipeline.config import DataConfigError
-    from data_pipeline.readers import DataError
     from pretrain.config.validation import plan_run
     from pretrain.train import hydra_problem
 
@@ -207,8 +223,8 @@ def _main(argv: list[str]) -> int:
         for line in prepare_stages(todo, run_dir, submit=True):
             submitted |= line.endswith(SUBMITTED)
             print(f"prepare: {line}", flush=True)
-    except (ConfigError, DataConfigError, DataError) as e:
-        print(f"error: {e.brief() if isinstance(e, ConfigError) else e}", file=sys.stderr)
+    except (ConfigError, *data_errors()) as e:
+        print(f"error: {e.brief() if isinstance(e, ConfigError) else error_line(e)}", file=sys.stderr)
         return 1
     return SUBMITTED_EXIT if submitted else 0
 
