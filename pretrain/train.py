@@ -133,6 +133,59 @@ def _resume_point(rc: RunConfig, stages, ckpt_dir: str, run_dir: str, rank: int,
     return latest, latest_state, begin
 
 
+def _lock_and_data(lock: "RunDirLock | None", preemption, data) -> tuple:
+    """Before the process group: rank 0 takes the run-dir ``lock`` (None on the other ranks) and
+    every rank does ``data`` (:func:`pretrain.data_prep.before_process_group`), in the order that
+    writes nothing in the run dir before the lock can refuse the launch. Over several nodes every
+    rank only checks its data, from the file system: first, and its refusal is raised at once
+    (each rank refuses on its own, before any contact). On one node rank 0 may build the sample
+    index in the run dir: under the lock. Returns ``(the lock's warning, None)`` or ``(None, the
+    refusal)`` of the lock or the build, for :func:`_shared_refusal` once the ranks are up (the
+    other ranks wait for this one in ``init_process_group``, not for its exit)."""
+    from parallel.initialize import spans_nodes
+    from pretrain.data_prep import data_errors
+
+    def prepare():
+        with preemption.stopping("the data build"):
+            data()
+
+    several = spans_nodes()
+    if several:
+        prepare()
+    try:
+        took_over = lock.acquire() if lock is not None else None
+        if lock is not None:
+            atexit.register(lock.release)
+        if not several:
+            prepare()
+    except (ConfigError, RunDirLocked, faults.Preempted, *data_errors()) as e:
+        return None, e
+    return took_over, None
+
+
+def _shared_refusal(mine: "BaseException | None") -> "BaseException | None":
+    """Right after the process group starts: the refusal a rank met before it (rank 0's: the
+    run-dir lock, the data build it does alone on one node, a preemption signal during either),
+    so every rank stops with the same line instead of waiting in a collective for a rank that
+    stopped. This rank's own, else the lowest rank's (rebuilt from its class, args and attributes:
+    a ConfigError's constructor does not take its message)."""
+    world = dist.get_world_size()
+    if world == 1:
+        return mine
+    everyone = [None] * world
+    dist.all_gather_object(everyone, None if mine is None else (type(mine), mine.args, vars(mine)))
+    if mine is not None:
+        return mine
+    for sent in everyone:
+        if sent is not None:
+            cls, args, attrs = sent
+            refusal = cls.__new__(cls)
+            refusal.args = args
+            refusal.__dict__.update(attrs)
+            return refusal
+    return None
+
+
 def _checkpoints_listing(ckpt_dir: str) -> "tuple | None":
     """What the checkpoint scan depends on: the folder's entries and what ``latest`` says."""
     try:
@@ -224,16 +277,17 @@ def run(rc: RunConfig, config_yaml: str, changes=(), overrides=None) -> dict:
     metrics_path = os.path.join(run_dir, "metrics.jsonl")
     seen = _checkpoints_listing(ckpt_dir)
     checked = _resume_point(rc, stages, ckpt_dir, run_dir, env.rank, final=False)  # nothing written yet
-    # every stage's corpora and sample index: checked (several nodes) or built (one) before any
-    # collective, so no rank waits in one while rank 0 builds (pretrain.data_prep)
-    with preemption.stopping("the data build"):
-        before_process_group(rc, stages, env, overrides, group_given=not owns_process_group)
-    start_process_group(env, rc.parallel.timeout_minutes, cpu_emulation_mode=rc.parallel.cpu_emulation)
     lock = RunDirLock(run_dir, rc.trainer.lock_wait_s,
                       pause=lambda s: preemption.sleep(s, "the wait for the run dir lock")) if env.rank == 0 else None
-    took_over = _on_rank0(lock.acquire if lock else None)  # before anything is written there
-    if lock is not None:
-        atexit.register(lock.release)
+    took_over, refused = _lock_and_data(lock, preemption, lambda: before_process_group(
+        rc, stages, env, overrides, group_given=not owns_process_group))
+    start_process_group(env, rc.parallel.timeout_minutes, cpu_emulation_mode=rc.parallel.cpu_emulation)
+    refused = _shared_refusal(refused)
+    if refused is not None:
+        if lock is not None:  # held when the data refused the launch: the next launch need not wait
+            lock.release()
+            atexit.unregister(lock.release)
+        raise refused
     if took_over and env.rank == 0:
         logging.getLogger(__name__).warning(took_over)
     if preemption.agreed():  # a signal while the ranks started or waited: nothing to save yet
@@ -352,12 +406,15 @@ def main(cfg: DictConfig) -> None:
     except faults.Preempted as e:  # a signal before the first step: nothing to save
         print(f"error: {e.line()}", file=sys.stderr, flush=True)
         raise SystemExit(faults.PREEMPTED_EXIT) from None
-    except Exception as e:  # noqa: BLE001 -- a checkpoint save the disk refused: one line, status 1
+    except Exception as e:  # noqa: BLE001 -- a checkpoint save the disk refused, bad data: one line, status 1
         from checkpointing.files import CheckpointSaveError  # loaded: it is what raised
+        from pretrain.data_prep import data_errors, error_line
 
-        if not isinstance(e, CheckpointSaveError):
-            raise
-        raise SystemExit(f"error: {e}") from None
+        if isinstance(e, CheckpointSaveError):
+            raise SystemExit(f"error: {e}") from None
+        if isinstance(e, data_errors()):  # a corpus that cannot be read, a damaged or unprepared one
+            raise SystemExit(f"error: {error_line(e)}") from None
+        raise
     if int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", 0))) == 0:
         print(json.dumps(summary), flush=True)
     if summary["preempted"]:
