@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import queue
 
 import torch
@@ -123,6 +124,34 @@ def take_deferred_write_failure() -> "OSError | None":
     first = _DEFERRED[0] if _DEFERRED else None
     _DEFERRED.clear()
     return first
+
+
+def _common_pt_write_keeps_its_errno() -> None:
+    """megatron's ``save_common`` gives ``torch.save`` the path of ``common.pt``. torch's C++
+    file writer reports a failed write as a RuntimeError without the errno (a full disk:
+    ``basic_ios::clear: iostream error``), not an OSError, so :func:`deferred_rank_zero_writes`
+    did not keep it: rank 0 raised it alone out of megatron's save while the other ranks went on
+    into the sharded write's collectives and waited there for rank 0 (on two gloo ranks until rank
+    0's process ended; ``tests/distributed/test_save_failures_two_ranks.py``). Here rank 0 opens
+    the file in Python and ``torch.save`` writes into it: the OSError, with its errno, reaches the
+    deferral and every rank stops with it. The same records (torch names the archive's root
+    folder ``archive/`` instead of ``common/``; loading reads either)."""
+    from megatron.core.dist_checkpointing.strategies import common
+    from megatron.core.msc_utils import MultiStorageClientFeature
+
+    save_common = common.TorchCommonSaveStrategy.save_common
+    if getattr(save_common, "_keeps_errno", False):
+        return
+
+    @functools.wraps(save_common)
+    def save_common_through_a_python_file(self, common_state_dict, checkpoint_dir):
+        if torch.distributed.get_rank() != 0 or MultiStorageClientFeature.is_enabled():
+            return save_common(self, common_state_dict, checkpoint_dir)
+        with open(os.path.join(checkpoint_dir, common.COMMON_STATE_FNAME), "wb") as f:
+            torch.save(common_state_dict, f)
+
+    save_common_through_a_python_file._keeps_errno = True
+    common.TorchCommonSaveStrategy.save_common = save_common_through_a_python_file
 
 
 def _rank_zero_writes_defer_their_errors() -> None:
@@ -274,6 +303,7 @@ def install() -> None:
     _alltoall_dispatcher_drops_probs_after_combine()
     _te_probes_without_transformer_engine()
     _in_process_checkpoint_write_results()
+    _common_pt_write_keeps_its_errno()  # before the deferral wraps save_common
     _rank_zero_writes_defer_their_errors()
     _checkpoint_staging_into_shared_memory()
     _batched_p2p_pairs_same_peer_by_direction()
