@@ -25,7 +25,8 @@ dies with the training process (``PR_SET_PDEATHSIG``) and has the default signal
 A save that cannot be written -- a full or read-only file system at any step: the folder, the
 removal of interrupted saves, the files, the metadata, publishing, retention -- raises
 :class:`~checkpointing.files.CheckpointSaveError` on every rank at the same point (a failure on
-rank 0 alone is shared by one all-reduce first, so no rank waits for it in a collective), after
+rank 0 alone is shared by one all-reduce first, so no rank waits for it in a collective; so is the
+errno of a failed tensor write, which torch names on the coordinator only), after
 the partial folder was removed and anything publishing had changed was put back: the previous
 checkpoint and ``latest`` are as they were. ``pretrain.train`` prints it as one ``error:`` line.
 """
@@ -33,6 +34,7 @@ checkpoint and ``latest`` are as they were. ``pretrain.train`` prints it as one 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import time
 from dataclasses import dataclass
@@ -43,11 +45,13 @@ import torch.distributed as dist
 from megatron.core import dist_checkpointing, parallel_state
 from torch.distributed.checkpoint.api import CheckpointException
 
-from checkpointing.files import (LATEST, STAGE_FINAL, CheckpointSaveError, apply_retention, fsync,
-                                 fsync_tree, iter_dir, partial_saves, save_failure, write_atomic,
+from checkpointing.files import (LATEST, STAGE_FINAL, CheckpointSaveError, _causes, apply_retention,
+                                 fsync, fsync_tree, iter_dir, partial_saves, save_failure, write_atomic,
                                  write_manifest)
 from checkpointing.state import TrainState, full_state
 from parallel.megatron_compat import deferred_rank_zero_writes, spawned_writer_queue, take_deferred_write_failure
+
+_ERRNO_TEXT = re.compile(r"\[Errno (\d+)\]")  #: how an OSError's str() names its errno
 
 
 def publish(ckpt_dir: str, tmp: str, final: str, stage_final: str | None, keep_last: int) -> None:
@@ -132,6 +136,25 @@ def shared_failure(error: Optional[OSError]) -> Optional[OSError]:
         return error
     err = int(code.item()) - 1
     return OSError(err, os.strerror(err) if err else "a write on another rank failed")
+
+
+def _with_shared_cause(e: CheckpointException) -> BaseException:
+    """torch's failure of a sharded write names the ranks' errors on the coordinator only, and
+    as text: megatron's finalize (``save_state_dict_async_finalize``) gathers each rank's write
+    result (its writer's OSError became ``RuntimeError("Worker failure: [Errno 28] ...")``,
+    pickled without its cause) and broadcasts a flag, so every other rank -- the one whose file
+    write failed too -- raised ``CheckpointException ranks:dict_keys([])``, a line naming no
+    cause. Every rank raises it at the same point: one all-reduce shares the errno (an OSError's,
+    else the ``[Errno N]`` of the text), and a rank whose exception carries no OSError with it
+    reports it as that OSError, caused by ``e``."""
+    found = next((c for c in _causes(e) if isinstance(c, OSError) and c.errno), None)
+    texts = (_ERRNO_TEXT.search(str(c)) for c in _causes(e))
+    code = found.errno if found is not None else next((int(m.group(1)) for m in texts if m), 0)
+    shared = shared_failure(OSError(code, os.strerror(code)) if code else None)
+    if found is not None or shared is None:
+        return e
+    shared.__cause__ = e
+    return shared
 
 
 @dataclass
@@ -245,6 +268,8 @@ class CheckpointWriter:
     def _fail(self, final: str, tmp: str, e: BaseException):
         if isinstance(e, CheckpointSaveError):
             raise e
+        if isinstance(e, CheckpointException):
+            e = _with_shared_cause(e)
         if dist.get_rank() == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         raise CheckpointSaveError(save_failure(final, tmp, e)) from e
