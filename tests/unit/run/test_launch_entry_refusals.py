@@ -17,25 +17,14 @@ import os
 import re
 import runpy
 import shutil
-import signal
 import socket
 import sys
 import time
 
 import pytest
 
+from tests.support.in_process_launch import leftovers_put_back, tree
 from tests.support.launch import QUIET
-
-
-def _tree(root) -> dict:
-    """Every path under ``root`` -> (bytes, mtime_ns) (folders: None, mtime)."""
-    out = {}
-    for folder, dirs, files in os.walk(root):
-        for name in dirs + files:
-            path = os.path.join(folder, name)
-            st = os.stat(path)
-            out[os.path.relpath(path, root)] = (None if name in dirs else st.st_size, st.st_mtime_ns)
-    return out
 
 
 @pytest.fixture
@@ -43,12 +32,7 @@ def entry_point(monkeypatch):
     """``launch(overrides)``: ``python -m pretrain.train`` with that command line, returning its
     ``SystemExit`` code; afterwards whatever a refused launch leaves in this process is put back
     (Hydra's global state, its log routing, signal handlers, a process group)."""
-    import torch.distributed as dist
     from hydra.core.global_hydra import GlobalHydra
-
-    from pretrain.reporting import logs
-
-    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1)}
 
     def launch(overrides):
         monkeypatch.setattr(sys, "argv", ["pretrain/train.py", *QUIET, *overrides])
@@ -56,19 +40,11 @@ def entry_point(monkeypatch):
             runpy.run_module("pretrain.train", run_name="__main__")  # as python -m runs it
         return e.value.code
 
-    try:
-        yield launch
-    finally:
-        GlobalHydra.instance().clear()
-        if logs._active is not None:
-            logs._active.close()
-        for s, h in handlers.items():
-            signal.signal(s, h)
-        if dist.is_initialized():
-            from parallel.initialize import destroy_model_parallel_groups
-
-            destroy_model_parallel_groups()
-            dist.destroy_process_group()
+    with leftovers_put_back():
+        try:
+            yield launch
+        finally:
+            GlobalHydra.instance().clear()
 
 
 @pytest.fixture(scope="module")
@@ -130,7 +106,7 @@ def test_a_live_runs_lock_refuses_before_anything_is_written(tmp_path, entry_poi
     holder = {"host": socket.gethostname(), "pid": os.getpid(), "slurm_job_id": "4242",
               "started": time.time() - 60}
     (run_dir / "run.lock").write_text(json.dumps(holder))  # this process: a live run on this host
-    before = _tree(run_dir)
+    before = tree(run_dir)
 
     code = entry_point([f"trainer.run_dir={run_dir}", "trainer.steps=2", "trainer.lock_wait_s=0"])
     started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(holder["started"]))
@@ -139,7 +115,7 @@ def test_a_live_runs_lock_refuses_before_anything_is_written(tmp_path, entry_poi
                   f"Slurm job 4242, started {started}, heartbeat ") + r"\d+" + re.escape(
                       " s ago); waited 0 s (trainer.lock_wait_s). Stop that run, or train in another run dir "
                       "(trainer.name / trainer.run_dir)"), code), code
-    after = _tree(run_dir)
+    after = tree(run_dir)
     assert sorted(set(after) - set(before)) == []  # no data_index/, .locks/, logs/
     assert after == before  # the holder's run.lock as it was
 

@@ -14,34 +14,17 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 
 import pytest
 
+from tests.support.in_process_launch import leftovers_put_back, tree
 from tests.support.launch import QUIET, run_train
-
-
-def _tree(root) -> dict:
-    """Every path under ``root`` -> (bytes, mtime_ns) (folders: None, mtime)."""
-    out = {}
-    for folder, dirs, files in os.walk(root):
-        for name in dirs + files:
-            path = os.path.join(folder, name)
-            st = os.stat(path)
-            out[os.path.relpath(path, root)] = (None if name in dirs else st.st_size, st.st_mtime_ns)
-    return out
 
 
 @pytest.fixture
 def in_process_launch():
     """``pretrain.train.run`` here, and afterwards whatever a refused launch leaves in this
     process put back (its log routing, signal handlers, a process group, if it started one)."""
-    import torch.distributed as dist
-
-    from pretrain.reporting import logs
-
-    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1)}
-
     def launch(overrides):
         from pretrain import train
         from pretrain.config.schema import compose
@@ -49,18 +32,8 @@ def in_process_launch():
         overrides = [*QUIET, *overrides]
         return train.run(*train.resolve(compose(overrides), overrides), overrides=overrides)
 
-    try:
+    with leftovers_put_back():
         yield launch
-    finally:
-        if logs._active is not None:
-            logs._active.close()
-        for s, h in handlers.items():
-            signal.signal(s, h)
-        if dist.is_initialized():
-            from parallel.initialize import destroy_model_parallel_groups
-
-            destroy_model_parallel_groups()
-            dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
@@ -77,13 +50,13 @@ def test_a_refused_resume_leaves_the_run_dir_as_it_was(finished, tmp_path, in_pr
     shutil.copytree(finished, run_dir)
     for made_by_the_launch in ("data_index", ".locks", "logs"):
         shutil.rmtree(run_dir / made_by_the_launch, ignore_errors=True)  # the pool builds without .locks/
-    before = _tree(run_dir)
+    before = tree(run_dir)
     assert "checkpoints/iter_0000002/manifest.json" in before and "config.yaml" in before
 
     with pytest.raises(ConfigError) as e:
         in_process_launch([f"trainer.run_dir={run_dir}", "trainer.steps=2", "trainer.seq_length=64"])
     assert "trainer.seq_length: 128 in the checkpoint -> 64 now" in e.value.brief()
-    after = _tree(run_dir)
+    after = tree(run_dir)
     assert sorted(set(after) - set(before)) == []  # no data_index/, .locks/, logs/, run.lock
     assert after == before  # and nothing there changed (config.yaml, metrics.jsonl, checkpoints)
 
