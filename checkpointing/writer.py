@@ -49,7 +49,8 @@ from checkpointing.files import (LATEST, STAGE_FINAL, CheckpointSaveError, _caus
                                  fsync, fsync_tree, iter_dir, partial_saves, save_failure, write_atomic,
                                  write_manifest)
 from checkpointing.state import TrainState, full_state
-from parallel.megatron_compat import deferred_rank_zero_writes, spawned_writer_queue, take_deferred_write_failure
+from parallel.megatron_compat import deferred_rank_zero_writes, take_deferred_write_failure
+from parallel.megatron_compat.async_writer import spawned_writer_queue
 
 _ERRNO_TEXT = re.compile(r"\[Errno (\d+)\]")  #: how an OSError's str() names its errno
 

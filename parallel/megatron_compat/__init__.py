@@ -20,7 +20,7 @@ megatron-core's internals, in one package.
 - ``optimizer_wrappers.py``: what an optimizer taking the place of megatron's inner torch
   optimizer (Muon) reads of megatron's optimizer wrappers, and the replacement itself.
 - ``async_writer.py``: the spawned process that writes async checkpoint saves
-  (:func:`spawned_writer_queue`), in place of megatron's fork per save; ``fixes.py``'s
+  (:func:`spawned_writer_queue`; imported where used: it imports megatron), in place of megatron's fork per save; ``fixes.py``'s
   :func:`deferred_rank_zero_writes` keeps a save's rank-0-only write errors for every rank.
 - ``model_space_shards.py``: the distributed optimizer's state as each rank's own boxes of the
   parameters' global tensors, the format of a stage's final checkpoint into another layout
@@ -43,7 +43,6 @@ from parallel.megatron_compat import jit_fusers
 
 jit_fusers.install()  # first: before megatron-core's first import (jit_fusers.py says why)
 
-from parallel.megatron_compat.async_writer import spawned_writer_queue  # noqa: E402
 from parallel.megatron_compat.fixes import (  # noqa: E402
     deferred_rank_zero_writes, install, release_cached_modules, reset_loss_trackers, take_deferred_write_failure)
 from parallel.megatron_compat.micro_batch import MicroBatch  # noqa: E402

@@ -10,7 +10,7 @@ import queue
 
 import torch
 
-from parallel.megatron_compat import async_writer, distrib_optimizer, micro_batch, mtp
+from parallel.megatron_compat import distrib_optimizer, micro_batch, mtp
 from parallel.megatron_compat.version import check_megatron_core
 
 _INSTALLED = False
@@ -299,7 +299,7 @@ def install() -> None:
     if _INSTALLED:
         return
     check_megatron_core(__file__, distrib_optimizer.__file__, mtp.__file__, micro_batch.__file__,
-                        async_writer.__file__)
+                        os.path.join(os.path.dirname(__file__), "async_writer.py"))  # not imported: megatron
     _alltoall_dispatcher_drops_probs_after_combine()
     _te_probes_without_transformer_engine()
     _in_process_checkpoint_write_results()

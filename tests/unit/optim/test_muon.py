@@ -184,7 +184,7 @@ def test_optimizer_presets_compose():
     ("optimizer.muon.momentum=1.0", "optimizer.muon.momentum=1.0 must be in [0, 1)"),
     ("optimizer.muon.ns_steps=0", "optimizer.muon.ns_steps=0 must be in [1, 99]"),
     ("optimizer.muon.min_lr=0.001", "optimizer.muon.min_lr=0.001 must be in [0, optimizer.muon.lr=0.0002]"),
-    ("optimizer.muon.weight_decay=-0.1", "optimizer.muon.weight_decay=-0.1 must be >= 0"),
+    ("optimizer.muon.weight_decay=-0.1", "optimizer.muon.weight_decay=-0.1 must be a finite number >= 0"),
     ("optimizer.name=lion", "optimizer.name='lion' must be one of adam, muon"),
 ])
 def test_muon_misconfiguration_is_rejected_before_compute(override, message):

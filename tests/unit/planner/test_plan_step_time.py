@@ -73,7 +73,7 @@ def test_bad_cluster_input_names_what_is_wrong():
         load_cluster("h100_80gb", {"nodez": "4"})
     with pytest.raises(ConfigError, match=r"cluster\.nodes=four"):
         load_cluster("h100_80gb", {"nodes": "four"})
-    with pytest.raises(ConfigError, match=r"cluster\.matmul_efficiency=1\.5 must be in \(0, 1\]"):
+    with pytest.raises(ConfigError, match=r"cluster\.matmul_efficiency=1\.5 must be a finite number in \(0, 1\]"):
         load_cluster("h100_80gb", {"matmul_efficiency": "1.5"})
     with pytest.raises(ConfigError, match=r"cluster\.nodes=0 must be >= 1"):
         load_cluster("h100_80gb", {"nodes": "0"})
