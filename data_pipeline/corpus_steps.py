@@ -11,7 +11,8 @@ from data_pipeline.config import CorpusConfig, DataConfig
 from data_pipeline.fsutil import write_json_atomic
 from data_pipeline.integrity import CorpusDamaged, manifest, verify
 from data_pipeline.readers import CorpusReader, DataError
-from data_pipeline.writer import MASK_SUFFIX, IndexedShardWriter
+from data_pipeline.integrity import MASK_SUFFIX
+from data_pipeline.writer import IndexedShardWriter
 
 
 def num_tasks(cfg: DataConfig) -> int:

@@ -26,7 +26,7 @@ from megatron.core.tokenizers import MegatronTokenizerBase
 from data_pipeline import packing
 from data_pipeline.groups import ShardGroup
 from data_pipeline.tokenizer import load
-from data_pipeline.writer import MASK_SUFFIX
+from data_pipeline.integrity import MASK_SUFFIX
 
 PACKING_VERSION = 1
 

@@ -29,11 +29,11 @@ import numpy as np
 
 from data_pipeline import fsutil
 from data_pipeline.readers import DataError
-from data_pipeline.writer import MASK_SUFFIX
 
 #: 2: every shard file has a digest and a stamp; 1 (before) had a digest of each ``.idx`` only,
 #: so a ``.bin`` overwritten in place at its size went unnoticed: such a corpus is re-prepared
 MANIFEST_VERSION = 2
+MASK_SUFFIX = "-lossmask"  #: a shard's loss-mask sidecar: ``<prefix><MASK_SUFFIX>.bin/.idx``
 INDEX_MANIFEST_VERSION = 1  #: of a sample index's ``.complete`` (empty before: rebuilt)
 log = logging.getLogger(__name__)
 

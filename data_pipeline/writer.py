@@ -19,8 +19,7 @@ from datatrove.utils.tokenization import PipelineStepWithTokenizer
 
 from data_pipeline.chat import loss_mask, token_kinds
 from data_pipeline.fsutil import file_digest
-
-MASK_SUFFIX = "-lossmask"
+from data_pipeline.integrity import MASK_SUFFIX, records
 
 
 def shard_prefix(out_dir: str, rank: int) -> str:
@@ -105,8 +104,6 @@ class IndexedShardWriter(PipelineStepWithTokenizer):
         else:
             stats["loss_tokens"] = stats["tokens"]
         stats["loss_mask"] = masks is not None
-        from data_pipeline.integrity import records  # (it imports this module)
-
         names = [os.path.basename(prefix) + s + e for s in ("", MASK_SUFFIX)[: 1 + stats["loss_mask"]]
                  for e in (".bin", ".idx")]
         stats["files"] = records(self.out_dir, names)  # the manifest's digests, taken here once per shard

@@ -203,7 +203,7 @@ def main(argv: list[str]) -> int:
 
 def _main(argv: list[str]) -> int:
     from pretrain.config.validation import plan_run
-    from pretrain.train import hydra_problem
+    from pretrain.config.command_line import hydra_problem
 
     if any(a in ("-h", "--help") for a in argv):
         print(__doc__.split("\n\n")[0] + "\n\nusage: python -m data_pipeline.prepare [the overrides of "
@@ -237,7 +237,7 @@ def _plan(overrides: list[str], plan_run):
 
     from pretrain.config.schema import compose
     from pretrain.curriculum import plan
-    from pretrain.train import resolve
+    from pretrain.config.command_line import resolve
 
     rc, _, changes = resolve(compose(overrides), overrides)
     world = 1

@@ -24,7 +24,8 @@ from omegaconf import DictConfig, OmegaConf
 from pretrain.reliability import faults
 
 from pretrain.reporting import jsonl
-from pretrain.config.schema import CONF_DIR, RunConfig, compose, register, to_run_config
+from pretrain.config.command_line import hydra_problem, resolve
+from pretrain.config.schema import RunConfig, register
 from pretrain.reliability.run_lock import RunDirLock, RunDirLocked
 from pretrain.config.validation import ConfigError, check_machine, override_notes, plan_run
 
@@ -369,28 +370,6 @@ def run(rc: RunConfig, config_yaml: str, changes=(), overrides=None) -> dict:
     return summary
 
 
-def resolve(cfg: DictConfig, overrides: list[str]) -> tuple[RunConfig, str, list]:
-    """What :func:`run` takes, from the composed config and the overrides that made it: the run
-    config, its resolved YAML and the fields the overrides changed. Raises ConfigError."""
-    from omegaconf.errors import OmegaConfBaseException
-
-    from pretrain.config.overrides import changed_fields
-
-    try:
-        rc = to_run_config(cfg)  # a key forced in with +group.key=..., a bad interpolation
-        config_yaml = OmegaConf.to_yaml(cfg, resolve=True)
-    except OmegaConfBaseException as e:
-        raise ConfigError("invalid config", [_omegaconf_problem(e)]) from None
-    return rc, config_yaml, changed_fields(overrides, compose, CONF_DIR, full=cfg)
-
-
-def _omegaconf_problem(e: Exception) -> str:
-    """An OmegaConf error's first line, and the field (``full_key``) when that line lacks it."""
-    first = str(e).splitlines()[0] if str(e) else type(e).__name__
-    key = getattr(e, "full_key", None)
-    return f"{first} ({key})" if key and key not in first else first
-
-
 @hydra.main(version_base=None, config_path="../conf", config_name="config")
 def main(cfg: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
@@ -421,30 +400,6 @@ def main(cfg: DictConfig) -> None:
         raise SystemExit(faults.PREEMPTED_EXIT)  # slurm/pretrain.sh requeues the job
     if summary["diverged"]:
         raise SystemExit(f"error: {summary['diverged']}")
-
-
-def hydra_problem(overrides: list[str]) -> "str | None":
-    """Hydra's own refusal of the command line (an unknown key or config option, a value of the
-    wrong type, override syntax) as one line, or None. Composed once before the app so these
-    read like every other config error (``error: ...``, exit status 1) instead of Hydra's
-    multi-line report."""
-    from hydra.errors import HydraException
-    from omegaconf.errors import OmegaConfBaseException
-
-    try:
-        compose(overrides)
-    except (HydraException, OmegaConfBaseException) as e:
-        text = str(e).split("\nConfig search path")[0]
-        if e.__cause__ is not None and str(e.__cause__):  # what was wrong with the key or value
-            text += "\n\n" + str(e.__cause__).splitlines()[0]
-        sentences = []
-        for paragraph in text.split("\n\n"):
-            lines = [ln.strip() for ln in paragraph.splitlines() if ln.strip()]
-            if lines and lines[0].endswith(":"):  # a heading and its list: "options in 'x': a, b"
-                lines = [f"{lines[0]} {', '.join(lines[1:])}"]
-            sentences += [ln if ln.endswith((".", ":")) else ln + "." for ln in lines]
-        return " ".join(sentences)
-    return None
 
 
 if __name__ == "__main__":

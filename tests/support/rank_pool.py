@@ -5,7 +5,7 @@ A fresh run process spends ~10 s of CPU importing torch and megatron-core before
 for test runs of a few seconds, and a 2-rank run pays it on both of 2 cores. A pool starts its
 ranks once per world size, CPU emulation and pytest process, and runs each job as
 ``python -m pretrain.train OVERRIDES`` does: the same composition and checks
-(:func:`pretrain.train.resolve`), the same :func:`pretrain.train.run`, which leaves a process
+(:func:`pretrain.config.command_line.resolve`), the same :func:`pretrain.train.run`, which leaves a process
 group it did not start (the pool's) and destroys everything else it built (megatron's groups,
 the model, the run-dir lock, its logging).
 
@@ -70,7 +70,8 @@ def run_job(job: dict, emulation: str) -> dict:
     """One ``python -m pretrain.train`` run in this process; its summary (raises on failure,
     and when the run ended early: a preempted or diverged run exits non-zero)."""
     from pretrain.config.schema import compose
-    from pretrain.train import resolve, run
+    from pretrain.config.command_line import resolve
+    from pretrain.train import run
     from tests.support import topk_digest
 
     overrides = list(job["overrides"])

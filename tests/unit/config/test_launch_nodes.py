@@ -74,7 +74,7 @@ def test_process_group_timeout():
 
 def _validate(*overrides: str):
     from pretrain.config.validation import plan_run
-    from pretrain.train import resolve
+    from pretrain.config.command_line import resolve
     from pretrain.config.schema import compose
 
     rc, _, changes = resolve(compose(list(overrides)), list(overrides))

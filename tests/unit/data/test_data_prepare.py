@@ -58,7 +58,7 @@ def _stage_index_dirs(run_dir, *overrides: str) -> dict:
     from pretrain.config.schema import compose
     from pretrain.config.validation import plan_run
     from pretrain.data_prep import stage_request
-    from pretrain.train import resolve
+    from pretrain.config.command_line import resolve
 
     args = [f"trainer.run_dir={run_dir}", *TINY, *overrides]
     rc, _, changes = resolve(compose(args), args)

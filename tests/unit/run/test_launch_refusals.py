@@ -27,10 +27,11 @@ def in_process_launch():
     process put back (its log routing, signal handlers, a process group, if it started one)."""
     def launch(overrides):
         from pretrain import train
+        from pretrain.config.command_line import resolve
         from pretrain.config.schema import compose
 
         overrides = [*QUIET, *overrides]
-        return train.run(*train.resolve(compose(overrides), overrides), overrides=overrides)
+        return train.run(*resolve(compose(overrides), overrides), overrides=overrides)
 
     with leftovers_put_back():
         yield launch
