@@ -1,0 +1,138 @@
+"""The project's import graph, read from the source (every ``import``, inside functions too): no
+cycle between modules, and packages import one way (docs/design.md, "Packages and the import
+direction"), apart from the named exceptions below, each with the reason it is still there."""
+
+import ast
+import os
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+PACKAGES = ("pretrain", "planner", "checkpointing", "model_providers", "parallel", "data_pipeline", "benchmarks")
+
+#: package -> the packages it may import (docs/design.md)
+MAY_IMPORT = {
+    "benchmarks": set(PACKAGES),
+    "planner": {"pretrain", "checkpointing", "model_providers", "parallel"},
+    "pretrain": {"checkpointing", "model_providers", "data_pipeline", "parallel"},
+    "model_providers": {"checkpointing", "parallel"},
+    "checkpointing": {"parallel"},
+    "parallel": set(),
+    "data_pipeline": set(),
+}
+#: (importing module, imported module) -> why it is allowed for now
+EXCEPTIONS = {
+    ("data_pipeline", "parallel.megatron_compat"):
+        "its jit_fusers install must precede megatron's import (an explicit bootstrap(): issue 57)",
+    ("data_pipeline.prepare", "pretrain.data_prep"):
+        "python -m data_pipeline.prepare is an entry point: it prepares a run's stages",
+    ("model_providers.glm5.hf.cli", "pretrain.config.numbers"):
+        "the HF tool checks its numbers with the run's Rule table (to move below both: issue 59)",
+}
+
+
+def modules(root: str) -> dict:
+    """Dotted module name -> file, for the project's packages under ``root``."""
+    out = {}
+    for package in PACKAGES:
+        for folder, _, files in os.walk(os.path.join(root, package)):
+            for name in files:
+                if name.endswith(".py"):
+                    path = os.path.join(folder, name)
+                    dotted = os.path.relpath(path, root)[:-3].replace(os.sep, ".")
+                    out[dotted.removesuffix(".__init__")] = path
+    return out
+
+
+def import_graph(root: str) -> dict:
+    """Module -> the project modules it imports (``from a.b import c`` is a.b.c where that is a
+    module, else a.b); relative imports are resolved against the module's package."""
+    mods = modules(root)
+
+    def known(name: str) -> str:
+        while name and name not in mods:
+            name = name.rpartition(".")[0]
+        return name
+
+    graph = {}
+    for mod, path in mods.items():
+        package = mod if path.endswith("__init__.py") else mod.rpartition(".")[0]
+        targets = set()
+        with open(path) as f:
+            tree = ast.parse(f.read(), path)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                targets |= {known(a.name) for a in node.names}
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    base = ".".join([*package.split(".")[: len(package.split(".")) - node.level + 1], base]).strip(".")
+                targets |= {known(f"{base}.{a.name}") or known(base) for a in node.names}
+        graph[mod] = targets - {"", mod}
+    return graph
+
+
+def cycles(graph: dict) -> list:
+    """The strongly connected components of more than one module (Tarjan's algorithm)."""
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return found
+
+
+def upward_imports(graph: dict) -> list:
+    """(module, imported module) pairs that cross packages against :data:`MAY_IMPORT`."""
+    return sorted((m, t) for m, targets in graph.items() for t in targets
+                  if m.split(".")[0] != t.split(".")[0] and t.split(".")[0] not in MAY_IMPORT[m.split(".")[0]])
+
+
+def test_no_module_imports_itself_through_others():
+    assert cycles(import_graph(REPO)) == []
+
+
+def test_packages_import_one_way():
+    assert [e for e in upward_imports(import_graph(REPO)) if e not in EXCEPTIONS] == []
+    # an exception that is gone is taken off the list
+    assert set(EXCEPTIONS) <= set(upward_imports(import_graph(REPO)))
+
+
+@pytest.fixture
+def planted(tmp_path):
+    """A copy of two packages' files with a cycle and an upward import planted."""
+    for package, files in {"parallel": {"__init__.py": "", "a.py": "from parallel import b\n",
+                                        "b.py": "def f():\n    from parallel.a import x\n"},
+                           "pretrain": {"__init__.py": "", "run.py": "import parallel.a\n"}}.items():
+        (tmp_path / package).mkdir()
+        for name, text in files.items():
+            (tmp_path / package / name).write_text(text)
+    (tmp_path / "parallel" / "c.py").write_text("from ..pretrain import run\n")
+    return tmp_path
+
+
+def test_the_checks_find_a_planted_cycle_and_upward_import(planted):
+    graph = import_graph(str(planted))
+    assert cycles(graph) == [["parallel.a", "parallel.b"]]
+    assert upward_imports(graph) == [("parallel.c", "pretrain.run")]
