@@ -9,9 +9,8 @@ import os
 
 from data_pipeline.config import CorpusConfig, DataConfig
 from data_pipeline.fsutil import write_json_atomic
-from data_pipeline.integrity import CorpusDamaged, manifest, verify
+from data_pipeline.integrity import MASK_SUFFIX, CorpusDamaged, manifest, verify
 from data_pipeline.readers import CorpusReader, DataError
-from data_pipeline.integrity import MASK_SUFFIX
 from data_pipeline.writer import IndexedShardWriter
 
 

@@ -20,7 +20,8 @@ megatron-core's internals, in one package.
 - ``optimizer_wrappers.py``: what an optimizer taking the place of megatron's inner torch
   optimizer (Muon) reads of megatron's optimizer wrappers, and the replacement itself.
 - ``async_writer.py``: the spawned process that writes async checkpoint saves
-  (:func:`spawned_writer_queue`; imported where used: it imports megatron), in place of megatron's fork per save; ``fixes.py``'s
+  (:func:`spawned_writer_queue`, which checks the release itself; imported where used, not here:
+  it imports megatron), in place of megatron's fork per save; ``fixes.py``'s
   :func:`deferred_rank_zero_writes` keeps a save's rank-0-only write errors for every rank.
 - ``model_space_shards.py``: the distributed optimizer's state as each rank's own boxes of the
   parameters' global tensors, the format of a stage's final checkpoint into another layout

@@ -298,8 +298,7 @@ def install() -> None:
     global _INSTALLED
     if _INSTALLED:
         return
-    check_megatron_core(__file__, distrib_optimizer.__file__, mtp.__file__, micro_batch.__file__,
-                        os.path.join(os.path.dirname(__file__), "async_writer.py"))  # not imported: megatron
+    check_megatron_core(__file__, distrib_optimizer.__file__, mtp.__file__, micro_batch.__file__)
     _alltoall_dispatcher_drops_probs_after_combine()
     _te_probes_without_transformer_engine()
     _in_process_checkpoint_write_results()
