@@ -17,8 +17,19 @@ WORKERS ?= -n 2 --dist loadfile
 # must be there: where PYTHONDONTWRITEBYTECODE is set (as on our 2-core machines) Python never caches
 # what it compiles, and every process would spend ~5 s of CPU compiling torch and megatron anew.
 # quiet=2: a few files of the libraries' own tests are newer-Python syntax, as pip also skips.
+# megatron-core 0.17+ declares Python >= 3.12, yet megatron.core runs on 3.11 (a test compiles and
+# imports it: tests/unit/parallel/test_megatron_core_install.py). On 3.11 its sdist (no cp311 wheel)
+# is built alone past that floor, with pinned build tools and no build isolation; on 3.12+ the
+# install below takes its wheel the ordinary way. The version is pyproject.toml's pin.
+MEGATRON_CORE := $(shell sed -n 's/^ *"\(megatron-core==[^"]*\)".*/\1/p' pyproject.toml)
+MEGATRON_BUILD := setuptools==84.2.1 pybind11==3.1.0
+
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	if ! $(PY) -c 'import sys; sys.exit(sys.version_info < (3, 12))'; then \
+	  $(PY) -m pip install --quiet --disable-pip-version-check --no-compile $(MEGATRON_BUILD) && \
+	  $(PY) -m pip install --quiet --disable-pip-version-check --no-compile --no-deps \
+	    --no-build-isolation --ignore-requires-python '$(MEGATRON_CORE)'; fi
 	$(PY) -m pip install --quiet --disable-pip-version-check --no-compile -e '.[dev]'
 	$(PY) -c "import compileall, sys; compileall.compile_dir(sys.argv[1], quiet=2, workers=0)" $(VENV)/lib
 	$(PY) -m model_providers.glm5.model.dsa.kernels.dsa_cpu

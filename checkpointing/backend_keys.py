@@ -33,10 +33,12 @@ from typing import Callable, Container, Iterable, Optional
 
 LOCAL, TE = "local", "te"
 BACKENDS = (LOCAL, TE)
-COMMON_KEY = "layer_backend"  #: common.pt entry: the backend whose naming the checkpoint uses
+COMMON_KEY = "layer_backend"  #: common-state entry: the backend whose naming the checkpoint uses
 
 #: a transformer layer's prefix, at the start of a key or after a '.'
-_LAYER = re.compile(r"(?<![^.])(decoder\.layers\.\d+\.|mtp\.layers\.\d+\.transformer_layer\.)")
+#: (the MTP layer's is ``mtp_model_layer`` in megatron 0.19's module names, ``transformer_layer``
+#: in its checkpoint keys, as in 0.16's)
+_LAYER = re.compile(r"(?<![^.])(decoder\.layers\.\d+\.|mtp\.layers\.\d+\.(?:transformer|mtp_model)_layer\.)")
 #: modules inside a layer that are TE norms / TE ``Linear`` but carry no extra state locally
 #: (``pre_mlp_layernorm`` only in MoE layers: a dense layer's is fused into ``mlp.linear_fc1``)
 _TE_ONLY_IN_LAYER = ("input_layernorm", "self_attention.q_layernorm", "self_attention.kv_layernorm",

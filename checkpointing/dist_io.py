@@ -2,7 +2,8 @@
 
 ``dist_checkpointing.save`` needs every tensor in memory at once, which a 744B model on one
 host cannot offer. :func:`save_lazily` writes the same on-disk format (torch DCP files +
-``.metadata``, megatron's ``metadata.json`` and ``common.pt``) from the 1-rank sharded state dict
+``.metadata``, megatron's ``metadata.json``; the common state a ``common_state`` object of the DCP
+files, as megatron 0.19 writes it) from the 1-rank sharded state dict
 of a model built on the meta device: each chunk's data is produced by a callback only when the
 writer reaches it, chunks are written in model order, one file per layer, and only the most
 recent tensor is cached (the SwiGLU factory splits ``linear_fc1`` into two chunks).
@@ -35,7 +36,9 @@ class CheckpointFileError(ValueError):
     message and exit non-zero, without a traceback."""
 
 
-COMMON_FILE = "common.pt"
+#: the DCP key of the common (non-tensor) state, which megatron 0.19's loader reads
+#: (``serialization.load_common_state_dict``)
+COMMON_STATE_KEY = ShardedObject("common_state", None, (1,), (0,)).unique_key
 
 
 @dataclass(frozen=True)
@@ -180,7 +183,7 @@ def save_lazily(out_dir: str, chunks: list[Chunk], objects: dict, dtypes: dict,
         if len(kinds) != 1:
             raise ValueError(f"{key}: chunks disagree on dtype {kinds}")
         lazy[key] = _LazyTensor(cs, kinds.pop())
-    for key, data in objects.items():
+    for key, data in {**objects, COMMON_STATE_KEY: common}.items():
         buf = io.BytesIO()
         torch.save([data], buf)
         lazy[key] = buf
@@ -189,8 +192,7 @@ def save_lazily(out_dir: str, chunks: list[Chunk], objects: dict, dtypes: dict,
                  planner=_LazyPlanner(lazy, source, dtypes))
     except CheckpointException as e:  # one rank: what ``source`` raised (e.g. a damaged shard)
         raise next(iter(e.failures.values()))[0] from None
-    torch.save(common, os.path.join(out_dir, COMMON_FILE))
-    save_config(CheckpointingConfig("torch_dist", 1, "torch", 1), out_dir)
+    save_config(CheckpointingConfig("torch_dist", 1), out_dir)
 
 
 def load_common(ckpt_dir: str) -> dict:

@@ -202,12 +202,14 @@ class CheckpointWriter:
         report = SaveReport(final, stage_final, 0.0)
         try:
             with deferred_rank_zero_writes():
+                # "mcore": megatron's own async request, which async_writer.SpawnedWriter runs
+                # (0.19's default, "nvrx", needs nvidia-resiliency-ext's writer process instead)
                 request = dist_checkpointing.save(sd, tmp, sharded_strategy=self.strategy,
-                                                  async_sharded_save=self.async_save)
+                                                  async_sharded_save=self.async_save, async_strategy="mcore")
         except (Exception, CheckpointException) as e:  # every rank raises: megatron gathers the
             # write results; torch's CheckpointException is a BaseException
             self._fail(final, tmp, e)
-        self._on_rank0(final, tmp, take_deferred_write_failure)  # common.pt (metadata when sync)
+        self._on_rank0(final, tmp, take_deferred_write_failure)  # .metadata and metadata.json when sync
         publish_fn = lambda: self._publish(tmp, final, marker)  # noqa: E731
         if request is None:
             publish_fn()

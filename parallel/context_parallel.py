@@ -17,7 +17,8 @@ from megatron.core.utils import get_batch_on_this_cp_rank
 
 
 def cp_size() -> int:
-    return parallel_state.get_context_parallel_world_size()
+    """The context-parallel size; 1 without a process group (megatron's getter says 0 then)."""
+    return max(parallel_state.get_context_parallel_world_size(), 1)
 
 
 def zigzag_positions(local_len: int, size: int, rank: int, device=None) -> torch.Tensor:
@@ -64,5 +65,6 @@ def batch_on_this_cp_rank(batch: dict, keep_whole=("document_ids",)) -> dict:
     keys in ``keep_whole`` stay full (the attention masks keys of the whole sequence)."""
     if cp_size() == 1:
         return batch
-    split = get_batch_on_this_cp_rank({k: v for k, v in batch.items() if k not in keep_whole})
+    split = get_batch_on_this_cp_rank({k: v for k, v in batch.items() if k not in keep_whole},
+                                      is_hybrid_cp=False, cp_group=parallel_state.get_context_parallel_group())
     return {**batch, **split}

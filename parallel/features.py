@@ -1,4 +1,4 @@
-"""megatron-core's speed features in a run: the rules megatron-core 0.16.1 puts on combining
+"""megatron-core's speed features in a run: the rules megatron-core 0.19.2 puts on combining
 them (checked before compute, each message naming the fields), what a machine needs to run them
 (checked only when a run starts there: a plan is made on a login node for a GPU cluster), and
 the megatron config fields they become.
@@ -29,9 +29,8 @@ DDP_FIELDS = ("overlap_grad_reduce", "overlap_param_gather")
 def check_features(par, model, dtype: str) -> list[str]:
     """Every combination of ``par``'s speed features with the ``model`` (a
     :class:`~model_providers.glm5.model.config.GLM5Config`: recompute mode, MTP steps, experts,
-    RoPE, head dims) and the precision ``dtype`` that megatron-core 0.16.1 refuses or cannot run
+    RoPE, head dims) and the precision ``dtype`` that megatron-core 0.19.2 refuses or cannot run
     (every model here uses multi-latent attention)."""
-    recompute, mtp_num_steps, num_experts = model.recompute, model.mtp_num_steps, model.num_experts
     p = []
     if par.apply_rope_fusion:
         p += rope_fusion_problems(model)
@@ -40,7 +39,7 @@ def check_features(par, model, dtype: str) -> list[str]:
         # than qkv / proj / fc1 / fc2 sets ``self.config.tp_comm_overlap = False`` -- on the config
         # every layer shares -- so from the first layer's linear_q_down_proj on, no layer overlaps
         p.append("parallel.tp_comm_overlap=true cannot run with multi-latent attention on "
-                 "megatron-core 0.16.1: Transformer Engine has no userbuffers for MLA's projections "
+                 "megatron-core 0.19.2: Transformer Engine has no userbuffers for MLA's projections "
                  "(q_down_proj, kv_down_proj, q_up_proj, kv_up_proj), and megatron's TE linear layer "
                  "then switches the overlap off in the config every later layer shares (it warns once "
                  "and runs the model without it)")
@@ -65,12 +64,12 @@ def check_features(par, model, dtype: str) -> list[str]:
     if par.delay_wgrad_compute and not par.overlap_moe_expert_parallel_comm:
         p.append("parallel.delay_wgrad_compute=true needs parallel.overlap_moe_expert_parallel_comm=true")
     if par.overlap_moe_expert_parallel_comm:
-        p += _ep_overlap_problems(par, recompute, dtype, mtp_num_steps, num_experts)
+        p += _ep_overlap_problems(par, model, dtype)
     return p
 
 
 def rope_fusion_problems(model) -> list[str]:
-    """Why megatron-core 0.16.1's fused MLA RoPE (``apply_rope_fusion``) cannot run ``model``."""
+    """Why megatron-core 0.19.2's fused MLA RoPE (``apply_rope_fusion``) cannot run ``model``."""
     p = []
     if model.rope_type != "yarn":
         p.append(f"parallel.apply_rope_fusion=true needs model.rope_type=yarn (got {model.rope_type}): "
@@ -84,20 +83,20 @@ def rope_fusion_problems(model) -> list[str]:
     return p
 
 
-def _ep_overlap_problems(par, recompute, dtype, mtp_num_steps, num_experts) -> list[str]:
-    """megatron-core 0.16.1's conditions for hiding the EP all-to-all behind another
+def _ep_overlap_problems(par, model, dtype) -> list[str]:
+    """megatron-core 0.19.2's conditions for hiding the EP all-to-all behind another
     micro-batch's compute (TransformerConfig.__post_init__)."""
     what = "parallel.overlap_moe_expert_parallel_comm=true"
     p = []
-    if not num_experts or par.ep == 1:
+    if not model.num_experts or par.ep == 1:
         p.append(f"{what} needs expert parallelism: parallel.ep > 1 (got {par.ep})")
-    if recompute == "full":
+    if model.recompute == "full":
         p.append(f"{what} needs model.recompute other than full (got full; selective is allowed)")
+    if model.recompute == "selective" and "moe" in model.recompute_modules:
+        p.append(f"{what} cannot recompute the MoE layer: model.recompute_modules="
+                 f"{list(model.recompute_modules)} must not hold moe (moe_act is allowed)")
     if dtype != "bf16":
         p.append(f"{what} needs precision.dtype=bf16 (got {dtype})")
-    if mtp_num_steps and par.pp == 1:
-        p.append(f"{what} with the MTP module (model.mtp_num_steps={mtp_num_steps}) needs "
-                 "parallel.pp > 1 (got pp=1)")
     if par.pp > 1 and (par.vpp or 1) == 1:
         p.append(f"{what} with parallel.pp={par.pp} needs virtual pipeline stages: parallel.vpp > 1 "
                  f"(got {par.vpp})")

@@ -91,7 +91,6 @@ def build_rank(rc, layout, pp_rank: int, trainable: Optional[Sequence[str]] = ()
     tcfg = transformer_config(rc)
     with rank_position(rc.parallel, layout, pp_rank), torch.device("meta"):
         chunks = build_model_chunks(rc.model, tcfg, "local")
-        meta_rank.mark_vocab_parallel(chunks)  # megatron marks it in the init a meta build skips
         restrict_trainable(chunks, list(trainable or ()))
         names = {p: n for c in chunks for n, p in c.named_parameters()}
         ddp = wrap_ddp(tcfg, chunks, rc.parallel)

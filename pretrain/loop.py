@@ -181,13 +181,13 @@ def train_step(ddp_chunks, optimizer, scheduler, dataset, consumed_samples: int,
         scheduler.step(increment=1)
 
     if _reporting_rank():
-        values = MTPLossLoggingHelper.tracker.get("values")
+        values = MTPLossLoggingHelper.tracker.get("loss_values")
         if values is not None and mtp_steps:
             cp = parallel_state.get_context_parallel_world_size()  # every CP rank reports
             report[2:n] = values.double() / (len(batches) * dp_size * cp)
     dist.all_reduce(report)
-    if MTPLossLoggingHelper.tracker.get("values") is not None:
-        MTPLossLoggingHelper.clean_loss_in_tracker()
+    if MTPLossLoggingHelper.tracker.get("loss_values") is not None:
+        MTPLossLoggingHelper.clean_metrics_in_tracker()
 
     device = current_device()
     imbalance = probe.value if probe.value is not None else torch.ones(1, dtype=torch.float64, device=device)
@@ -250,8 +250,8 @@ def evaluate(ddp_chunks, valid, trainer_cfg, num_samples: int) -> dict:
     finally:
         for c in ddp_chunks:
             c.train()
-        if MTPLossLoggingHelper.tracker.get("values") is not None:
-            MTPLossLoggingHelper.clean_loss_in_tracker()
+        if MTPLossLoggingHelper.tracker.get("loss_values") is not None:
+            MTPLossLoggingHelper.clean_metrics_in_tracker()
         moe_utils.clear_aux_losses_tracker()
     device = current_device()
     sums = torch.zeros(len(valid.categories), 2, dtype=torch.float64, device=device)

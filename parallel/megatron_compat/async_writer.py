@@ -1,7 +1,7 @@
 """The process that writes async checkpoint saves: spawned once per training process, never forked
 from it, dying with it.
 
-megatron-core 0.16.1's ``AsyncCallsQueue`` has two callers (``strategies/async_utils.py``):
+megatron-core 0.19.2's ``AsyncCallsQueue`` has two callers of its own (``strategies/async_utils.py``):
 
 - ``TemporalAsyncCaller`` (the default, ``persistent=False``) *forks the training process* for
   every save. After CUDA and NCCL are up a fork is undefined behaviour (the child holds copies of
@@ -186,11 +186,23 @@ class SpawnedWriter(AsyncCaller):
 _WRITER: list = [None]
 
 
+class _SpawnedWriterQueue(AsyncCallsQueue):
+    """megatron's async queue whose every call goes to ``writer``. (0.19 keeps the persistent
+    caller in a class attribute that every queue shares and builds its own there: the caller is
+    given here instead. Not persistent, so the queue's ``close`` finalizes and leaves the writer,
+    which the process keeps for its later queues and stops at exit.)"""
+
+    def __init__(self, writer: SpawnedWriter):
+        super().__init__(persistent=False)
+        self.writer = writer
+
+    def _get_async_caller(self) -> SpawnedWriter:
+        return self.writer
+
+
 def spawned_writer_queue() -> AsyncCallsQueue:
     """megatron's async queue with this process's one :class:`SpawnedWriter` as its caller."""
     check_megatron_core(__file__)
     if _WRITER[0] is None or _WRITER[0].owner != os.getpid():
         _WRITER[0] = SpawnedWriter()
-    calls = AsyncCallsQueue(persistent=True)
-    calls.persistent_caller = _WRITER[0]
-    return calls
+    return _SpawnedWriterQueue(_WRITER[0])

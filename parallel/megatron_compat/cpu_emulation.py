@@ -111,6 +111,12 @@ class _NullStream:
     def synchronize(self, *args, **kwargs):
         _count_strict_sync()
 
+    @staticmethod
+    def priority_range():
+        """(least, greatest) stream priority, as CUDA's; megatron 0.19 asks the class for it
+        (``high_priority_a2a_comm_stream``)."""
+        return 0, -1
+
 
 def _count_strict_sync(*args, **kwargs) -> None:
     """Under strict emulation a wait for the device is a host sync (counted, not raised)."""

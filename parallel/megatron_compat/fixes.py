@@ -1,4 +1,4 @@
-"""Correctness and resource fixes to megatron-core 0.16.1, installed on every backend (CPU and
+"""Correctness and resource fixes to megatron-core 0.19.2, installed on every backend (CPU and
 GPU) by :func:`install`, before any model or optimizer is built."""
 
 from __future__ import annotations
@@ -62,31 +62,32 @@ def reset_loss_trackers() -> None:
     next model in the process (a curriculum's next stage, HF evaluation) would report a tracker
     it never filled -- a dense stage after a DSA one logged ``indexer_kl`` 0.0 -- and entries
     are sized by the model that made them."""
-    from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+    from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker
     from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 
-    get_moe_layer_wise_logging_tracker().clear()
+    destroy_moe_metrics_tracker()  # the next record() makes a new, empty one
     MTPLossLoggingHelper.tracker.clear()
 
 
-def _te_probes_without_transformer_engine() -> None:
-    """Without Transformer Engine, two megatron modules believe it is (half) present, on GPUs as
-    on CPUs (the first GPU smoke on an H200 without TE failed here at model build):
-    ``multi_latent_attention`` keeps ``HAVE_TE`` True while ``TELinear`` is None, so MLA's
-    ``isinstance(self.linear_proj, TELinear)`` raises TypeError; ``moe_utils`` never defines
-    ``te_general_gemm``, so the router's GEMM raises NameError."""
+def _replicated_mla_down_projections_without_transformer_engine() -> None:
+    """megatron-core 0.19 builds MLA's q and kv down-projections from the classes it knows:
+    ``TELinear`` (duplicated across TP), ``Linear`` (modelopt's replicated one) or a
+    column-parallel layer; without Transformer Engine it sets ``Linear`` to None, so only the
+    column-parallel layer is left. A column-parallel down-projection loses the other TP ranks'
+    share of the k_rope gradient (MLA gathers k_rope along the hidden dim, whose backward is a
+    split, not a sum), so the local spec keeps modelopt's replicated ``Linear``, as TE's
+    duplicated ``TELinear`` does: the module-level name is set back to it. (0.16.1's TE probes,
+    ``HAVE_TE`` and ``te_general_gemm``, are fixed upstream: both are None without TE.)"""
+    from megatron.core.post_training.modelopt.layers import Linear
     from megatron.core.transformer import multi_latent_attention
-    from megatron.core.transformer.moe import moe_utils
 
-    if not isinstance(multi_latent_attention.TELinear, type):  # None or a MagicMock stand-in
-        multi_latent_attention.HAVE_TE = False
-    if not hasattr(moe_utils, "te_general_gemm"):
-        moe_utils.te_general_gemm = None
+    if multi_latent_attention.Linear is None:
+        multi_latent_attention.Linear = Linear
 
 
 def _in_process_checkpoint_write_results() -> None:
     """megatron's torch_dist writer hands its write results back through a queue served by a
-    *spawned* multiprocessing Manager (``filesystem_async._get_write_results_queue``): a fresh
+    *spawned* multiprocessing Manager (``filesystem_async.get_write_results_queue``): a fresh
     interpreter per rank that re-imports the training entry point at the first save (5-10 s of
     CPU per rank). A synchronous save writes in this process (its forked per-file writers report
     through their own queue), so a plain in-process queue carries the results; an async save's
@@ -105,8 +106,8 @@ _DEFERRING = [False]
 
 @contextlib.contextmanager
 def deferred_rank_zero_writes():
-    """Around a save: the writes megatron makes on rank 0 alone (``common.pt``, the ``.metadata``
-    of torch's writer, ``metadata.json``) keep their OSError (a full or read-only file system)
+    """Around a save: the writes made on rank 0 alone (the ``.metadata`` of torch's writer,
+    megatron's ``metadata.json``) keep their OSError (a full or read-only file system)
     for :func:`take_deferred_write_failure` instead of raising it. Raised where it happens, the
     error left the other ranks waiting for rank 0 in the save's next collective (the sharded
     write's planning, the failure broadcast of ``save_state_dict_async_finalize``, the barrier
@@ -126,38 +127,9 @@ def take_deferred_write_failure() -> "OSError | None":
     return first
 
 
-def _common_pt_write_keeps_its_errno() -> None:
-    """megatron's ``save_common`` gives ``torch.save`` the path of ``common.pt``. torch's C++
-    file writer reports a failed write as a RuntimeError without the errno (a full disk:
-    ``basic_ios::clear: iostream error``), not an OSError, so :func:`deferred_rank_zero_writes`
-    did not keep it: rank 0 raised it alone out of megatron's save while the other ranks went on
-    into the sharded write's collectives and waited there for rank 0 (on two gloo ranks until rank
-    0's process ended; ``tests/distributed/test_save_failures_two_ranks.py``). Here rank 0 opens
-    the file in Python and ``torch.save`` writes into it: the OSError, with its errno, reaches the
-    deferral and every rank stops with it. The same records (torch names the archive's root
-    folder ``archive/`` instead of ``common/``; loading reads either)."""
-    from megatron.core.dist_checkpointing.strategies import common
-    from megatron.core.msc_utils import MultiStorageClientFeature
-
-    save_common = common.TorchCommonSaveStrategy.save_common
-    if getattr(save_common, "_keeps_errno", False):
-        return
-
-    @functools.wraps(save_common)
-    def save_common_through_a_python_file(self, common_state_dict, checkpoint_dir):
-        if torch.distributed.get_rank() != 0 or MultiStorageClientFeature.is_enabled():
-            return save_common(self, common_state_dict, checkpoint_dir)
-        with open(os.path.join(checkpoint_dir, common.COMMON_STATE_FNAME), "wb") as f:
-            torch.save(common_state_dict, f)
-
-    save_common_through_a_python_file._keeps_errno = True
-    common.TorchCommonSaveStrategy.save_common = save_common_through_a_python_file
-
-
 def _rank_zero_writes_defer_their_errors() -> None:
-    """Wrap the three rank-0-only writes of a save for :func:`deferred_rank_zero_writes`."""
+    """Wrap the two rank-0-only writes of a save for :func:`deferred_rank_zero_writes`."""
     from megatron.core.dist_checkpointing import serialization
-    from megatron.core.dist_checkpointing.strategies.common import TorchCommonSaveStrategy
     from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
 
     def deferring(write):
@@ -176,7 +148,6 @@ def _rank_zero_writes_defer_their_errors() -> None:
         write_or_keep_error._defers_errors = True
         return write_or_keep_error
 
-    TorchCommonSaveStrategy.save_common = deferring(TorchCommonSaveStrategy.save_common)
     FileSystemWriterAsync.finish = deferring(FileSystemWriterAsync.finish)
     serialization.save_config = deferring(serialization.save_config)
 
@@ -300,9 +271,8 @@ def install() -> None:
         return
     check_megatron_core(__file__, distrib_optimizer.__file__, mtp.__file__, micro_batch.__file__)
     _alltoall_dispatcher_drops_probs_after_combine()
-    _te_probes_without_transformer_engine()
+    _replicated_mla_down_projections_without_transformer_engine()
     _in_process_checkpoint_write_results()
-    _common_pt_write_keeps_its_errno()  # before the deferral wraps save_common
     _rank_zero_writes_defer_their_errors()
     _checkpoint_staging_into_shared_memory()
     _batched_p2p_pairs_same_peer_by_direction()

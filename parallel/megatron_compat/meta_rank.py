@@ -11,8 +11,8 @@ in the same process see the state they would have seen. Without CUDA the project
 (``cpu_emulation``) is installed first, as for every CPU run: megatron's constructors create CUDA
 streams.
 
-:func:`mark_vocab_parallel` sets the TP attributes megatron's init functions would have set on
-the embedding (a meta build skips those functions).
+(0.16.1 needed the embedding's TP attributes set here too: its init functions, which a meta build
+skips, set them. 0.19's ``VocabParallelEmbedding`` sets them itself when initialisation is off.)
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ class SizedGroup:
 
 def _group_sizes(tp: int, pp: int, cp: int, dp: int, ep: int, expert_tp: int,
                  expert_dp: int) -> dict:
-    """parallel_state's group globals (megatron-core 0.16.1's names) -> the size of this rank's
+    """parallel_state's group globals (megatron-core 0.19.2's names) -> the size of this rank's
     group: ``dp`` the data-parallel size without CP, ``expert_dp`` the expert data-parallel size."""
     return {
         "_TENSOR_MODEL_PARALLEL_GROUP": tp,
@@ -68,6 +68,16 @@ def _group_sizes(tp: int, pp: int, cp: int, dp: int, ep: int, expert_tp: int,
         "_EXPERT_DATA_PARALLEL_GROUP": expert_dp,
         "_INTRA_PARTIAL_EXPERT_DATA_PARALLEL_GROUP": expert_dp,
         "_INTER_PARTIAL_EXPERT_DATA_PARALLEL_GROUP": 1,
+        # 0.19's weight-rematerialising "GTP" axis, size 1 here: its data-parallel groups are the
+        # plain ones (what initialize_model_parallel builds with gtp_remat_size=1)
+        "_GTP_WEIGHT_REMAT_GROUP": 1,
+        "_EXPERT_GTP_WEIGHT_REMAT_GROUP": 1,
+        "_DATA_PARALLEL_GROUP_WITH_GTP_REMAT": dp,
+        "_DATA_PARALLEL_GROUP_WITH_CP_WITH_GTP_REMAT": dp * cp,
+        "_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP_WITH_GTP_REMAT": dp * cp,
+        "_EXPERT_DATA_PARALLEL_GROUP_WITH_GTP_REMAT": expert_dp,
+        "_INTRA_PARTIAL_EXPERT_DATA_PARALLEL_GROUP_WITH_GTP_REMAT": expert_dp,
+        "_EXPERT_TENSOR_MODEL_PIPELINE_PARALLEL_GROUP_WITH_EGTP": ep * expert_tp * pp,
     }
 
 
@@ -124,15 +134,3 @@ def rank_position(*, tp: int, pp: int, cp: int, dp: int, ep: int, expert_tp: int
                 delattr(ps, name)
         for name, value in saved.items():
             setattr(ps, name, value)
-
-
-def mark_vocab_parallel(chunks) -> None:
-    """megatron marks a ``VocabParallelEmbedding`` weight TP-split (dim 0) in its init functions,
-    which a meta build skips; mark it as they would."""
-    from megatron.core.tensor_parallel.layers import (VocabParallelEmbedding,
-                                                      set_tensor_model_parallel_attributes)
-
-    for chunk in chunks:
-        for module in chunk.modules():
-            if isinstance(module, VocabParallelEmbedding):
-                set_tensor_model_parallel_attributes(module.weight, is_parallel=True, dim=0, stride=1)

@@ -243,20 +243,23 @@ def bind_checkpoint(checkpoint):
 
 def _te_checkpoint_in_its_micro_batch() -> None:
     """megatron calls Transformer Engine's checkpoint instead under fp8 (``te_checkpoint``, bound
-    by name in the modules that import it at load; the others import it when called)."""
+    by name in the modules that import it at load -- 0.19's full-layer recompute lives in
+    ``megatron.core.recompute`` --; the others import it when called)."""
+    from megatron.core import recompute
     from megatron.core.extensions import transformer_engine
-    from megatron.core.transformer import transformer_block
     from megatron.core.transformer.moe import moe_layer
 
-    for module in (transformer_engine, transformer_block, moe_layer):
+    for module in (transformer_engine, recompute, moe_layer):
         if getattr(module, "te_checkpoint", None) is not None:
             module.te_checkpoint = bind_checkpoint(module.te_checkpoint)
 
 
 def _core_attention_recompute_carries_handoffs() -> None:
     """megatron's selective recomputation of the core attention (``recompute_modules`` with
-    ``core_attn``: ``Attention._checkpointed_attention_forward``) checkpoints q, k, v and the mask
-    only, and calls the core attention without what was handed over to it. Where the active
+    ``core_attn``: ``Attention._checkpointed_attention_forward``) checkpoints q, k, v, the mask
+    and the tensors of ``core_attention_extra_kwargs`` (0.19: megatron's own DSA gets its inputs
+    that way), and calls the core attention without what was handed over to it (GLM-5's MLA
+    intermediates: the latent, the kv up-projection's weight and outputs). Where the active
     micro-batch holds a hand-over for this layer's core attention, its tensors become checkpoint
     inputs too and are handed over again in the recomputation (which then gets this forward's
     values, and returns their gradients). Without one, megatron's method runs unchanged."""
@@ -270,13 +273,18 @@ def _core_attention_recompute_carries_handoffs() -> None:
     @functools.wraps(upstream)
     def checkpointed_attention_forward(self, query, key, value, attention_mask,
                                        rotary_pos_emb=None, attn_mask_type=None,
-                                       attention_bias=None, packed_seq_params=None):
+                                       attention_bias=None, packed_seq_params=None,
+                                       core_attention_extra_kwargs=None):
         core, micro_batch = self.core_attention, current()
         handoff = None if micro_batch is None else micro_batch.take(core)
         if handoff is None:
             return upstream(self, query, key, value, attention_mask, rotary_pos_emb=rotary_pos_emb,
                             attn_mask_type=attn_mask_type, attention_bias=attention_bias,
-                            packed_seq_params=packed_seq_params)
+                            packed_seq_params=packed_seq_params,
+                            core_attention_extra_kwargs=core_attention_extra_kwargs)
+        if core_attention_extra_kwargs:  # upstream's DSA inputs; GLM-5's core attention takes none
+            raise ValueError(f"{type(core).__name__} got both a hand-over and core attention "
+                             f"kwargs {sorted(core_attention_extra_kwargs)}")
         mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
 
         def run(query, key, value, attention_mask, *tensors):

@@ -1,9 +1,11 @@
 """megatron-core's multi-token prediction: the shifts of packed documents, the per-depth loss
 count, and the one place a model changes the MTP block megatron built.
 
-``GPTModel`` shifts each depth's labels and loss mask, and ``MultiTokenPredictionLayer`` each
-depth's input ids and positions, with ``multi_token_prediction.roll_tensor`` (``gpt_model``
-imports its own reference). :func:`install` rebinds both references to the functions below.
+megatron-core 0.19 shifts each depth's labels and loss mask (``process_mtp_loss``, which
+``GPTModel`` calls) and each depth's input ids, positions and padding mask
+(``MultiTokenPredictionLayer``) with ``multi_token_prediction.roll_tensor``: :func:`install`
+rebinds that one reference to :func:`roll_with_sequence_count`, which is
+:func:`roll_within_documents` with the loss mask's count fixed.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ def roll_within_documents(tensor, shifts=-1, dims=-1, cp_group=None, packed_seq_
     micro-batch being computed (``micro_batch.MicroBatch.next_in_document``); the count is the
     kept positions'.
 
-    megatron-core 0.16.1 keeps MTP inside documents only for THD ``packed_seq_params``; with
+    megatron-core 0.19.2 keeps MTP inside documents only for THD ``packed_seq_params``; with
     document ids in the attention-mask slot its rolls carry the next document's tokens, labels
     and loss mask into the end of each document, so depth d at the last d tokens of a document
     was trained to predict the next document from the wrong context. Here every roll is followed
@@ -40,12 +42,11 @@ def roll_within_documents(tensor, shifts=-1, dims=-1, cp_group=None, packed_seq_
 
 
 def roll_with_sequence_count(tensor, shifts=-1, dims=-1, cp_group=None, packed_seq_params=None):
-    """megatron-core 0.16.1's GPTModel divides each MTP depth's loss by the count this returns
-    for the rolled loss mask. Two fixes to that count (on top of :func:`roll_within_documents`):
+    """megatron-core 0.19.2's ``process_mtp_loss`` divides each MTP depth's loss by the count this
+    returns for the rolled loss mask (clamped to >= 1 there since 0.17; 0.16.1 divided 0/0 = NaN
+    for a micro-batch without loss tokens at a depth, and the clamp here stays for that). On top
+    of :func:`roll_within_documents`:
 
-    - a micro-batch with no loss token at a depth (e.g. a long masked tool result in agent data)
-      gives 0/0 = NaN and poisons every weight: the count is clamped to >= 1, as megatron's
-      schedule does for the main loss (the micro-batch then adds zero MTP loss);
     - under context parallelism megatron returns this rank's count, so the CP-averaged loss is a
       mean of per-rank means, not the sequence mean: the count becomes the sequence's / cp,
       which makes the CP average exactly the one-rank mean (gradient and logged loss).
@@ -54,7 +55,7 @@ def roll_with_sequence_count(tensor, shifts=-1, dims=-1, cp_group=None, packed_s
                                           packed_seq_params=packed_seq_params)
     if not torch.is_tensor(count):
         return rolled, max(count, 1)
-    if not tensor.is_floating_point():  # the int labels: megatron discards their count
+    if not tensor.is_floating_point():  # ids, positions, labels, padding: their count is unused
         return rolled, count
     cp = cp_group.size() if cp_group is not None and packed_seq_params is None else 1
     if cp > 1:
@@ -64,15 +65,13 @@ def roll_with_sequence_count(tensor, shifts=-1, dims=-1, cp_group=None, packed_s
 
 
 def install() -> None:
-    """Rebind megatron's two ``roll_tensor`` references: GPTModel's (labels and loss mask of
-    each depth) and the MTP layer's (each depth's input ids and positions)."""
-    from megatron.core.models.gpt import gpt_model
+    """Rebind megatron's ``multi_token_prediction.roll_tensor`` (every MTP shift: ids, positions,
+    padding, labels and loss mask of each depth)."""
     from megatron.core.transformer import multi_token_prediction
 
     if _UPSTREAM_ROLL[0] is None:
         _UPSTREAM_ROLL[0] = multi_token_prediction.roll_tensor
-    gpt_model.roll_tensor = roll_with_sequence_count
-    multi_token_prediction.roll_tensor = roll_within_documents
+    multi_token_prediction.roll_tensor = roll_with_sequence_count
 
 
 def set_mtp_block_class(model, block_class) -> None:

@@ -1,9 +1,9 @@
 """megatron-core's schedule plans (the EP all-to-all overlap) for this model: the plan's nodes run
 under their micro-batch, and the one shared MTP layer is planned once per depth.
 
-With ``overlap_moe_expert_parallel_comm`` megatron-core 0.16.1's combined 1F1B schedule does not
+With ``overlap_moe_expert_parallel_comm`` megatron-core 0.19.2's combined 1F1B schedule does not
 call the model's forward: the forward step returns ``GPTModel.build_schedule_plan(...)``, a
-``TransformerModelChunkSchedulePlan`` whose nodes (pre-process, per layer attention / dispatch /
+``TransformerModelChunkSchedulePlan`` whose nodes (pre-process, per layer pre-dispatch computation (attention and router) / dispatch /
 experts / combine / MTP post-process, post-process) the schedule runs later, one micro-batch's
 forward nodes between another's backward nodes. Two things the model's forward does are then
 missing:
@@ -24,7 +24,7 @@ from __future__ import annotations
 from parallel.megatron_compat.version import check_megatron_core
 
 #: the node attributes of megatron's ``TransformerLayerSchedulePlan``
-LAYER_NODES = ("attn", "moe_dispatch", "mlp", "moe_combine", "mtp_post_process")
+LAYER_NODES = ("pre_dispatch_computation", "moe_dispatch", "mlp", "moe_combine", "mtp_post_process")
 
 
 def adapt(plan, micro_batch, mtp_depths: int):
@@ -44,10 +44,10 @@ def adapt(plan, micro_batch, mtp_depths: int):
         shared = plan.pop_layer().layer
         for depth in range(mtp_depths):
             layer_plan = TransformerLayerSchedulePlan(
-                shared, plan.event, plan.state, get_comp_stream(), get_comm_stream(),
+                shared, plan.event, plan.state, get_comp_stream, get_comm_stream,
                 {"is_first_layer": depth == 0, "is_last_layer": depth == mtp_depths - 1})
             if depth:
-                _collect_the_depth_input_as_this_nodes_leaf(layer_plan.attn)
+                _collect_the_depth_input_as_this_nodes_leaf(layer_plan.pre_dispatch_computation)
             plan._transformer_layers.append(layer_plan)
     for node in _nodes(plan):
         node.forward = micro_batch.bind(node.forward)

@@ -16,6 +16,7 @@ import pytest
 from tests.support.launch import read_metrics, run_train
 
 LAYOUT = ["parallel.ep=2", "parallel.pp=2", "parallel.vpp=2", "precision=bf16", "model.recompute=selective",
+          "model.recompute_modules=[mla_up_proj]",
           "parallel.cpu_emulation=strict", "trainer.steps=3", "checkpoint.save_at_end=false"]
 KEYS = ("lm_loss", "loss", "grad_norm")
 

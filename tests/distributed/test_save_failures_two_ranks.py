@@ -1,6 +1,6 @@
 """A checkpoint save that fails on one rank only, on two gloo ranks (real processes): every step
-only rank 0 takes -- the folder, the removal of interrupted saves, megatron's ``common.pt``,
-``.metadata`` and ``metadata.json``, the rename, ``latest``, retention -- and rank 1's part of the
+only rank 0 takes -- the folder, the removal of interrupted saves, torch's
+``.metadata``, megatron's ``metadata.json``, the rename, ``latest``, retention -- and rank 1's part of the
 tensor write, each failed with ENOSPC on that rank alone, synchronous and async: both ranks raise
 ``CheckpointSaveError`` with the one-line message (no rank is left waiting in a collective), no
 ``.tmp`` folder is left, the previous checkpoint and ``latest`` are intact and the next save on

@@ -7,7 +7,7 @@ def fake_checkpoint(ckpt_dir, step, files=None):
     """A folder shaped like a dist checkpoint, with its manifest, and ``latest`` pointing at it."""
     folder = ckpt_dir / f"iter_{step:07d}"
     folder.mkdir(parents=True)
-    for name, text in (files or {"metadata.json": "{}", "common.pt": "x" * 50,
+    for name, text in (files or {"metadata.json": "{}", ".metadata": "x" * 50,
                                  "__0_0.distcp": "y" * 1000}).items():
         (folder / name).write_text(text)
     checkpoint.write_manifest(str(folder))

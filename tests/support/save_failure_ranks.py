@@ -14,9 +14,10 @@ group may be out of step.
 The state saved is a small state dict in place of a model's (``writer.full_state`` replaced, as in
 ``tests/unit/checkpointing/test_save_failures.py``, whose table of rank-0-only steps is used):
 a tensor sharded over the ranks (each writes its own ``.distcp`` file) and common entries (rank 0
-writes ``common.pt``). The writer, megatron's save, the async writer process and publishing are
-the real ones. That table fails megatron's rank-0-only writes by replacing ``save_common`` and
-``save_config`` whole; here they, torch's ``.metadata`` and rank 1's tensor files are written to
+writes them into its ``.distcp`` file: megatron 0.19's ``common_state``). The writer, megatron's
+save, the async writer process and publishing are the real ones. That table fails the rank-0-only
+writes by replacing torch's ``finish`` and megatron's ``save_config`` whole; here they, torch's
+``.metadata`` and rank 1's tensor files are written to
 ``/dev/full`` instead, so torch and Python raise what they raise on a full file system, inside
 the functions the project's fixes wrap.
 """
@@ -36,8 +37,8 @@ import torch.distributed as dist
 
 FULL = "/dev/full"  #: every write to it fails with ENOSPC
 
-RANK0_STEPS = ["makedirs", "partial-save cleanup", "common.pt", ".metadata", "metadata.json", "rename",
-               "latest", "retention"]
+RANK0_STEPS = ["makedirs", "partial-save cleanup", ".metadata", "metadata.json", "rename", "latest",
+               "retention"]
 RANK1_STEPS = ["rank 1 tensor write"]
 #: (case name, the step that fails, async_save, the rank it fails on)
 CASES = [(f"{step} {mode}", step, mode == "async", 1 if step in RANK1_STEPS else 0)
@@ -93,10 +94,7 @@ def inject(mp, step: str) -> None:
     """Make ``step`` fail in this process (ENOSPC)."""
     from tests.unit.checkpointing.test_save_failures import _fail_on, _steps
 
-    if step == "common.pt":  # megatron's save_common: torch.save(state, path), or into open(path, "wb")
-        _written_to_full_disk(mp, torch, "save", 1, lambda path, *a: os.path.basename(path) == "common.pt")
-        _written_to_full_disk(mp, builtins, "open", 0, _opened_for_writing(1, "common.pt"))
-    elif step == ".metadata":  # torch's FileSystemWriter.finish: Path(".metadata.tmp").open("wb")
+    if step == ".metadata":  # torch's FileSystemWriter.finish: Path(".metadata.tmp").open("wb")
         _written_to_full_disk(mp, pathlib.Path, "open", 0, _opened_for_writing(1, ".metadata.tmp"))
     elif step == "metadata.json":  # megatron's save_config: open(path, "w")
         _written_to_full_disk(mp, builtins, "open", 0, _opened_for_writing(1, "metadata.json"))

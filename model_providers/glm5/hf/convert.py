@@ -30,8 +30,8 @@ from model_providers.glm5.hf.mapping import (
     FP32_TENSORS, MTP_COPIES, TOP_COPIES, VOCAB_ROWS, HFReader, HFTensorError, ShardWriter, group_of, hf_names)
 
 MODEL_YAML = "glm5_model.yaml"  #: written next to an import: the GLM5Config (Hydra ``model``)
-COMMON_MODEL = "glm5_model"  #: common.pt key: the GLM5Config as JSON
-COMMON_HF = "hf_config"  #: common.pt key: the source HF config as JSON
+COMMON_MODEL = "glm5_model"  #: common-state key: the GLM5Config as JSON
+COMMON_HF = "hf_config"  #: common-state key: the source HF config as JSON
 
 
 class MissingWeightsError(KeyError):
@@ -76,7 +76,7 @@ def config_from_common(common: dict) -> GLM5Config:
     elif "config_yaml" in common:
         raw = OmegaConf.to_container(OmegaConf.create(common["config_yaml"]), resolve=True)["model"]
     else:
-        raise hf_paths.HFPathError(f"the checkpoint's {dist_io.COMMON_FILE} has neither an imported "
+        raise hf_paths.HFPathError("the checkpoint's common state has neither an imported "
                                    f"model config ({COMMON_MODEL!r}) nor a run's 'config_yaml'")
     return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(GLM5Config), raw))
 

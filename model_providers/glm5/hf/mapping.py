@@ -61,7 +61,8 @@ FP32_TENSORS = ("mlp.router.weight", "mlp.router.expert_bias")
 VOCAB_ROWS = ("embedding.word_embeddings.weight", "output_layer.weight")
 
 _DECODER = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
-_MTP_LAYER = "mtp.layers.0.transformer_layer."
+#: the MTP module's transformer layer: megatron 0.19's module name, and its checkpoint key (0.16's)
+_MTP_LAYER = re.compile(r"mtp\.layers\.0\.(?:mtp_model|transformer)_layer\.(.+)")
 _EXPERT = re.compile(r"mlp\.experts\.local_experts\.(\d+)\.linear_fc([12])\.weight")
 _HF_EXPERT = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight")
 
@@ -86,8 +87,9 @@ def hf_names(name: str, num_layers: int) -> tuple[str, ...]:
     m = _DECODER.fullmatch(name)
     if m:
         return _layer_names(f"model.layers.{m.group(1)}.", m.group(2))
-    if name.startswith(_MTP_LAYER):
-        return _layer_names(f"model.layers.{num_layers}.", name[len(_MTP_LAYER):])
+    m = _MTP_LAYER.fullmatch(name)
+    if m:
+        return _layer_names(f"model.layers.{num_layers}.", m.group(1))
     if name.startswith("mtp.layers.0.") and name[len("mtp.layers.0."):] in MTP:
         return (f"model.layers.{num_layers}.{MTP[name[len('mtp.layers.0.'):]]}",)
     raise KeyError(f"no Hugging Face mapping for megatron tensor {name!r}")

@@ -55,12 +55,12 @@ def check_hf_dir(path: str) -> None:
 
 
 def check_checkpoint_dir(path: str) -> None:
-    """``path`` is a megatron dist checkpoint folder (``metadata.json`` + ``common.pt``), e.g. an
+    """``path`` is a megatron dist checkpoint folder (``metadata.json`` + torch's ``.metadata``), e.g. an
     import or one ``iter_XXXXXXX`` folder of a run; a run dir gets a hint at its newest one."""
     if not os.path.isdir(path):
         raise HFPathError(f"checkpoint folder {path} does not exist" if not os.path.exists(path)
                           else f"checkpoint {path} is not a folder")
-    missing = [n for n in ("metadata.json", "common.pt") if not os.path.isfile(os.path.join(path, n))]
+    missing = [n for n in ("metadata.json", ".metadata") if not os.path.isfile(os.path.join(path, n))]
     if missing:
         iters = sorted(os.path.join(d, n) for d in (path, os.path.join(path, "checkpoints"))
                        if os.path.isdir(d) for n in os.listdir(d)

@@ -112,7 +112,7 @@ class PrecisionConfig:
     fp8: Optional[str] = None  #: null | delayed | blockwise (Hopper) | mxfp8 (Blackwell); Transformer Engine, GPUs only
 
 
-#: megatron-core 0.16.1's selective recompute choices
+#: megatron-core 0.19.2's selective recompute choices (but gdn_norm_out: Gated DeltaNet layers only)
 RECOMPUTE_MODULES = ("core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe", "shared_experts")
 
 

@@ -1,6 +1,6 @@
 """GLM-5's multi-token prediction: ONE MTP module applied ``mtp_num_steps`` times.
 
-megatron-core 0.16.1's ``MultiTokenPredictionBlock`` builds one layer per prediction depth. GLM-5
+megatron-core's ``MultiTokenPredictionBlock`` builds one layer per prediction depth. GLM-5
 shares a single module (embedding, eh_proj, norms and a full decoder layer) across its 3 depths,
 so megatron is told of one MTP layer (``mtp_num_layers=1``: its pipeline layouts, its checks --
 the EP all-to-all overlap allows only one -- and its per-layer schedules see the one module
@@ -22,8 +22,8 @@ class SharedMultiTokenPredictionBlock(MultiTokenPredictionBlock):
 
     num_steps: int = 1
 
-    def forward(self, input_ids, position_ids, hidden_states, attention_mask, context=None,
-                context_mask=None, rotary_pos_emb=None, rotary_pos_cos=None,
+    def forward(self, input_ids, position_ids, hidden_states, attention_mask, padding_mask=None,
+                context=None, context_mask=None, rotary_pos_emb=None, rotary_pos_cos=None,
                 rotary_pos_sin=None, attention_bias=None, inference_params=None,
                 packed_seq_params=None, sequence_len_offset=None, extra_block_kwargs=None,
                 embedding=None):
@@ -31,11 +31,12 @@ class SharedMultiTokenPredictionBlock(MultiTokenPredictionBlock):
         layer = self.layers[0]
         outputs = [hidden_states]
         for _ in range(self.num_steps):
-            hidden_states, input_ids, position_ids = layer(
+            hidden_states, input_ids, position_ids, padding_mask = layer(
                 input_ids=input_ids,
                 position_ids=position_ids,
                 hidden_states=hidden_states,
                 attention_mask=attention_mask,
+                padding_mask=padding_mask,
                 inference_params=inference_params,
                 rotary_pos_emb=rotary_pos_emb,
                 rotary_pos_cos=rotary_pos_cos,

@@ -38,6 +38,9 @@ class GLM5Model(GPTModel):
         if self.mtp_process:
             megatron_compat.set_mtp_block_class(self, SharedMultiTokenPredictionBlock)
             self.mtp.num_steps = mtp_num_steps
+            for layer in self.mtp.layers:
+                core = layer.mtp_model_layer.self_attention.core_attention
+                core.tracker_slot = self.config.num_layers + layer.mtp_model_layer.layer_number
         if mtp_num_steps:
             self.config = megatron_compat.config_with_mtp_depths(self.config, mtp_num_steps)
 

@@ -82,10 +82,10 @@ def _glm5_744b_keys(tiny_keys: list[str]) -> list[str]:
         return out
 
     moe = experts(moe)
-    keys = [k for k in tiny_keys if not k.startswith(("decoder.layers.", "mtp.layers.0.transformer_layer."))]
+    keys = [k for k in tiny_keys if not k.startswith(("decoder.layers.", "mtp.layers.0.mtp_model_layer."))]
     for i in range(cfg.num_layers):
         keys += [f"decoder.layers.{i}.{s}" for s in (dense if i < cfg.first_k_dense else moe)]
-    keys += [f"mtp.layers.0.transformer_layer.{s}" for s in moe]  # MTP's layer is the last layer's kind
+    keys += [f"mtp.layers.0.mtp_model_layer.{s}" for s in moe]  # MTP's layer is the last layer's kind
     return keys
 
 
@@ -96,8 +96,9 @@ def _glm5_744b_keys(tiny_keys: list[str]) -> list[str]:
 def test_local_to_te_to_local_is_the_identity_on_every_tiny_key(key_spaces, space):
     keys = key_spaces[space]
     moe = bk.moe_layers(keys)
-    assert moe == {"decoder.layers.1.", "decoder.layers.2.", "decoder.layers.3.",
-                   "mtp.layers.0.transformer_layer."}
+    # the MTP layer: megatron 0.19's module name; its checkpoint keys keep 0.16's
+    mtp = "mtp.layers.0.transformer_layer." if space == "checkpoint" else "mtp.layers.0.mtp_model_layer."
+    assert moe == {"decoder.layers.1.", "decoder.layers.2.", "decoder.layers.3.", mtp}
     for k in keys:
         assert bk.te_to_local(bk.local_to_te(k, moe)) == k, k
         assert bk.te_to_local(k) == k, k  # local names are fixed points: either naming normalises
@@ -125,7 +126,7 @@ def test_glm5_744b_naming_round_trips(key_spaces):
         f"decoder.layers.{i}.mlp.linear_fc1.layer_norm_weight" for i in range(3)]
     assert [k for k in te if k.endswith("pre_mlp_layernorm.weight")] == [
         f"decoder.layers.{i}.pre_mlp_layernorm.weight" for i in range(3, 78)] + [
-        "mtp.layers.0.transformer_layer.pre_mlp_layernorm.weight"]
+        "mtp.layers.0.mtp_model_layer.pre_mlp_layernorm.weight"]
     assert bk.local_to_te("decoder.layers.77.mlp.experts.local_experts.255.linear_fc2.weight", moe) == \
         "decoder.layers.77.mlp.experts.linear_fc2.weight255"
 
@@ -152,19 +153,19 @@ def test_dense_pre_mlp_norm_is_fused_into_fc1(key_spaces):
 def test_moe_and_mtp_pre_mlp_norms_stay_separate(key_spaces):
     te = set(bk.te_keys(key_spaces["state_dict"]))
     for layer in ("decoder.layers.1.", "decoder.layers.2.", "decoder.layers.3.",
-                  "mtp.layers.0.transformer_layer."):
+                  "mtp.layers.0.mtp_model_layer."):
         assert {layer + "pre_mlp_layernorm.weight", layer + "pre_mlp_layernorm._extra_state"} <= te
         assert layer + "mlp.linear_fc1.layer_norm_weight" not in te
     # a model without MoE (every layer dense, MTP's too): every pre-MLP norm fuses
-    assert bk.local_to_te("mtp.layers.0.transformer_layer.pre_mlp_layernorm.weight", frozenset()) == \
-        "mtp.layers.0.transformer_layer.mlp.linear_fc1.layer_norm_weight"
+    assert bk.local_to_te("mtp.layers.0.mtp_model_layer.pre_mlp_layernorm.weight", frozenset()) == \
+        "mtp.layers.0.mtp_model_layer.mlp.linear_fc1.layer_norm_weight"
 
 
 def test_mla_norms_keep_their_names(key_spaces):
     moe = bk.moe_layers(key_spaces["state_dict"])
     for key in ("decoder.layers.0.self_attention.q_layernorm.weight",
                 "decoder.layers.3.self_attention.kv_layernorm.weight",
-                "mtp.layers.0.transformer_layer.input_layernorm.weight"):
+                "mtp.layers.0.mtp_model_layer.input_layernorm.weight"):
         assert key in key_spaces["state_dict"]
         assert bk.local_to_te(key, moe) == key
 
@@ -175,8 +176,8 @@ def test_grouped_experts_in_state_dicts_and_shared_checkpoint_keys(key_spaces):
              "decoder.layers.1.mlp.experts.linear_fc1.weight0",
              "decoder.layers.3.mlp.experts.local_experts.7.linear_fc2.weight":
              "decoder.layers.3.mlp.experts.linear_fc2.weight7",
-             "mtp.layers.0.transformer_layer.mlp.experts.local_experts.5.linear_fc1.weight":
-             "mtp.layers.0.transformer_layer.mlp.experts.linear_fc1.weight5",
+             "mtp.layers.0.mtp_model_layer.mlp.experts.local_experts.5.linear_fc1.weight":
+             "mtp.layers.0.mtp_model_layer.mlp.experts.linear_fc1.weight5",
              "decoder.layers.2.mlp.experts.local_experts.0.linear_fc1._extra_state":
              "decoder.layers.2.mlp.experts.linear_fc1._extra_state",
              "decoder.layers.2.mlp.experts.local_experts.3.linear_fc2._extra_state":

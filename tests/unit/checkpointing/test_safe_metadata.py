@@ -33,14 +33,12 @@ class _Payload:
 
 def _crafted_checkpoint(folder, marker) -> str:
     """A folder that passes every check before the metadata is read (manifest sizes,
-    ``metadata.json``, ``common.pt``) and whose ``.metadata`` would run ``touch marker``."""
+    ``metadata.json``) and whose ``.metadata`` would run ``touch marker``."""
     os.makedirs(folder)
     with open(os.path.join(folder, ".metadata"), "wb") as f:
         pickle.dump(_Payload(marker), f)
     with open(os.path.join(folder, "metadata.json"), "w") as f:
-        json.dump({"sharded_backend": "torch_dist", "sharded_backend_version": 1,
-                   "common_backend": "torch", "common_backend_version": 1}, f)
-    torch.save({"iteration": 2}, os.path.join(folder, "common.pt"))
+        json.dump({"sharded_backend": "torch_dist", "sharded_backend_version": 1}, f)
     with open(os.path.join(folder, "__0_0.distcp"), "wb") as f:
         f.write(b"\0" * 64)
     checkpoint.write_manifest(str(folder))

@@ -60,7 +60,7 @@ def _fail_on(monkeypatch, target, name, when=lambda *a, **k: True):
 
 def _steps():
     from megatron.core.dist_checkpointing import serialization
-    from megatron.core.dist_checkpointing.strategies.common import TorchCommonSaveStrategy
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
 
     return {
         # rank 0's folder for the save
@@ -68,8 +68,8 @@ def _steps():
         # an interrupted save's folder that cannot be removed
         "partial-save cleanup": (writer_mod.shutil, "rmtree", lambda path, *a, **k: str(path).endswith(".tmp")
                                  and "onerror" in k),
-        # megatron's rank-0-only writes: common.pt, metadata.json
-        "common.pt": (TorchCommonSaveStrategy, "save_common", lambda *a, **k: True),
+        # the rank-0-only writes: torch's .metadata, megatron's metadata.json
+        ".metadata": (FileSystemWriterAsync, "finish", lambda *a, **k: True),
         "metadata.json": (serialization, "save_config", lambda *a, **k: True),
         # publishing: the rename into place, then latest
         "rename": (writer_mod.os, "rename", lambda src, dst: str(src).endswith(".tmp")),
@@ -79,7 +79,7 @@ def _steps():
     }
 
 
-STEPS = ["makedirs", "partial-save cleanup", "common.pt", "metadata.json", "rename", "latest", "retention"]
+STEPS = ["makedirs", "partial-save cleanup", ".metadata", "metadata.json", "rename", "latest", "retention"]
 
 
 @pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])

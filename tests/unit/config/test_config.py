@@ -175,7 +175,8 @@ def test_ep_overlap_is_refused_with_the_dsa_warmup():
     """The warm-up's frozen forward lives in GLM5Model.forward, which megatron's combined 1F1B
     schedule does not call; the same layout with sparse DSA validates."""
     ep = ("parallel.ep=2", "parallel.pp=2", "parallel.vpp=2", "precision=bf16", "model.recompute=selective",
-          "parallel.overlap_moe_expert_parallel_comm=true", "model.num_layers=4")
+          "model.recompute_modules=[mla_up_proj]", "parallel.overlap_moe_expert_parallel_comm=true",
+          "model.num_layers=4")
     e = _invalid(_rc(*ep, "model.dsa.mode=warmup"), 4)
     assert "parallel.overlap_moe_expert_parallel_comm=true cannot run with model.dsa.mode=warmup" in str(e.value)
     validate(_rc(*ep, "model.dsa.mode=sparse"), 4)

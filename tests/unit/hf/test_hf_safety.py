@@ -114,7 +114,7 @@ def test_export_into_a_run_folder_is_refused(tiny, tmp_path, no_model_build):
     with pytest.raises(HFPathError, match=r"the source .*iter_0000004 is inside OUT .*run"):
         export_hf(str(run / "checkpoints" / "iter_0000004"), str(run))
     with pytest.raises(HFPathError, match=r"run is not a megatron dist checkpoint \(metadata\.json and "
-                                          r"common\.pt missing\); .* e\.g\. .*run/checkpoints/iter_0000004"):
+                                          r"\.metadata missing\); .* e\.g\. .*run/checkpoints/iter_0000004"):
         export_hf(str(run), str(tmp_path / "hf"))
     assert _snapshot(tmp_path) == before
 

@@ -224,7 +224,7 @@ class TestGLM5_744B:
             mtp + "eh_proj.weight": HF["mtp.eh_proj"],
             mtp + "final_layernorm.weight": (6144,),  # HF shared_head.norm
         })
-        expected.update(_moe_layer_shapes(mtp + "transformer_layer."))
+        expected.update(_moe_layer_shapes(mtp + "mtp_model_layer."))
 
         missing = sorted(set(expected) - set(shapes))
         extra = sorted(set(shapes) - set(expected))
@@ -243,7 +243,7 @@ class TestGLM5_744B:
         assert model.config.mtp_num_layers == model.mtp.num_steps == 3  # GPTModel's loss: the depths
         assert isinstance(model.mtp, SharedMultiTokenPredictionBlock)
         assert len(model.mtp.layers) == 1
-        assert isinstance(model.mtp.layers[0].transformer_layer.mlp, MoELayer)
+        assert isinstance(model.mtp.layers[0].mtp_model_layer.mlp, MoELayer)
 
     def test_moe_config_and_untied_output(self, built):
         from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
@@ -389,7 +389,7 @@ def _train_forward_backward(model, batch):
     model.zero_grad(set_to_none=True)
     MTPLossLoggingHelper.tracker.clear()
     loss = model(tokens, position_ids, None, labels=labels)
-    mtp = MTPLossLoggingHelper.tracker["values"].clone()
+    mtp = MTPLossLoggingHelper.tracker["loss_values"].clone()
     MTPLossLoggingHelper.tracker.clear()
     loss.sum().backward()
     return loss.detach(), mtp
@@ -536,7 +536,7 @@ def test_dsa_mode_none_builds_no_indexer_and_trains_as_dense(tiny, batch):
     _, model = _build_tiny(none_cfg)
     assert not [n for n, _ in model.named_parameters() if "indexer" in n]
     assert all(l.self_attention.core_attention.indexer is None for l in model.decoder.layers)
-    assert model.mtp.layers[0].transformer_layer.self_attention.core_attention.indexer is None
+    assert model.mtp.layers[0].mtp_model_layer.self_attention.core_attention.indexer is None
     weights = {k: v for k, v in dense.state_dict().items() if ".indexer." not in k}
     model.load_state_dict(weights, strict=True)
     want, want_mtp = _train_forward_backward(dense, batch)

@@ -129,7 +129,7 @@ def _mtp_losses(model, tokens, labels, positions, document_ids):
     model(tokens[None], positions[None], document_ids, labels=labels[None],
           loss_mask=torch.ones(1, len(tokens)))
     _kl_per_layer()
-    return MTPLossLoggingHelper.tracker["values"].clone()
+    return MTPLossLoggingHelper.tracker["loss_values"].clone()
 
 
 def test_mtp_targets_stay_inside_documents(one_rank):

@@ -33,10 +33,12 @@ def dist_initialised(tmp_path_factory):
 
 
 @pytest.mark.parametrize("cp", [2, 4])
-def test_zigzag_positions_are_megatrons_split_and_reassemble_in_order(dist_initialised, cp):
+def test_zigzag_positions_are_megatrons_split_and_reassemble_in_order(dist_initialised, monkeypatch, cp):
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: group.size())  # a stand-in group
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: group.rank())
     length = 8 * cp
     full = torch.arange(length)[None]
-    local = [get_batch_on_this_cp_rank({"tokens": full.clone()}, _Group(cp, r))["tokens"][0]
+    local = [get_batch_on_this_cp_rank({"tokens": full.clone()}, is_hybrid_cp=False, cp_group=_Group(cp, r))["tokens"][0]
              for r in range(cp)]
     for r in range(cp):
         assert zigzag_positions(length // cp, cp, r).tolist() == local[r].tolist()

@@ -68,7 +68,7 @@ def test_install_refuses_another_megatron_core_version_naming_the_file(monkeypat
     monkeypatch.setattr(package_info, "__version__", "0.17.0")
     monkeypatch.setattr(cpu_emulation, "_INSTALLED", False)
     wrapped = dist.all_to_all_single
-    with pytest.raises(RuntimeError, match=r"written for megatron-core 0\.16\.1, found 0\.17\.0") as err:
+    with pytest.raises(RuntimeError, match=r"written for megatron-core 0\.19\.2, found 0\.17\.0") as err:
         cpu_emulation.install()
     assert cpu_emulation.__file__ in str(err.value)
     assert dist.all_to_all_single is wrapped, "nothing is patched before the version check"
@@ -219,6 +219,16 @@ def test_streams_and_events_stand_ins():
     ev.wait()
     assert ev.query() is True
     torch.cuda.default_stream().synchronize()
+
+
+def test_megatrons_high_priority_stream_is_created(monkeypatch):
+    """megatron 0.19's ``set_streams(high_priority=True)`` (``high_priority_a2a_comm_stream``)
+    asks the Stream class for its priority range first."""
+    from megatron.core.pipeline_parallel import utils
+
+    monkeypatch.setattr(utils, "_COMM_STREAM", None)
+    utils.set_streams(high_priority=True)
+    assert isinstance(utils.get_comm_stream(), type(torch.cuda.current_stream()))
 
 
 def test_stream_context_manager_runs_the_block():

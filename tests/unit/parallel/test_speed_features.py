@@ -41,8 +41,10 @@ REFUSED = [  # (layout fields, model fields, precision, our message, megatron's)
      "with parallel.pp=2 needs virtual pipeline stages: parallel.vpp > 1", "virtual_pipeline_model_parallel_size must be"),
     (dict(ep=1, overlap_moe_expert_parallel_comm=True, pp=2, vpp=2), dict(mtp_num_steps=1), BF16,
      "needs expert parallelism: parallel.ep > 1", "only supported with expert model parallelism"),
-    (dict(ep=2, overlap_moe_expert_parallel_comm=True), dict(mtp_num_steps=1), BF16,
-     "with the MTP module (model.mtp_num_steps=1) needs parallel.pp > 1", "Pipeline model parallel size must be larger than 1"),
+    (dict(ep=2, overlap_moe_expert_parallel_comm=True, pp=2, vpp=2),
+     dict(recompute="selective", recompute_modules=["mla_up_proj", "moe"]), BF16,
+     "cannot recompute the MoE layer: model.recompute_modules=['mla_up_proj', 'moe'] must not hold moe",
+     "disable moe in recompute_modules"),
     (dict(delay_wgrad_compute=True), {}, BF16,
      "parallel.delay_wgrad_compute=true needs parallel.overlap_moe_expert_parallel_comm=true",
      "overlap_moe_expert_parallel_comm must be enabled"),
@@ -51,7 +53,7 @@ REFUSED = [  # (layout fields, model fields, precision, our message, megatron's)
     (dict(apply_rope_fusion=True), dict(rope_type="yarn", qk_nope_head_dim=192, v_head_dim=256), BF16,
      "needs MLA head dims that are powers of 2 (got model.qk_nope_head_dim=192)", None),
     (dict(tp=2, sequence_parallel=True, tp_comm_overlap=True), {}, BF16,
-     "parallel.tp_comm_overlap=true cannot run with multi-latent attention on megatron-core 0.16.1", None),
+     "parallel.tp_comm_overlap=true cannot run with multi-latent attention on megatron-core 0.19.2", None),
     (dict(overlap_param_gather=True, distributed_optimizer=False, overlap_grad_reduce=True), {}, BF16,
      "parallel.overlap_param_gather=true needs parallel.distributed_optimizer=true", None),
     (dict(overlap_param_gather=True, distributed_optimizer=True), {}, BF16,
@@ -76,10 +78,11 @@ def test_refused_combinations_name_the_fields_and_megatron_refuses_them_too(fiel
 
 def test_ep_overlap_validates_where_megatron_allows_it():
     """GLM-5's shared MTP module applied 3 times (megatron is told of its one layer), bf16, EP2,
-    PP2 x VPP2, selective recompute: megatron builds its config with the overlap and the delayed
+    PP2 x VPP2, selective recompute of the MLA up-projections (0.19 refuses ``moe`` with the
+    overlap; ``moe_act`` is allowed, with GPUs' grouped-GEMM experts): megatron builds its config with the overlap and the delayed
     wgrad on. The overlap itself runs on CPU ranks (tests/distributed/test_ep_overlap.py); the
     delayed wgrad needs Transformer Engine's grouped GEMM, which only the machine check asks for."""
-    model = dataclasses.replace(MOE, recompute="selective")
+    model = dataclasses.replace(MOE, recompute="selective", recompute_modules=["mla_up_proj"])
     assert model.mtp_num_steps == 3
     par = ParallelConfig(overlap_moe_expert_parallel_comm=True, delay_wgrad_compute=True, **EP2)
     assert _problems(par, model) == []
@@ -122,17 +125,21 @@ def test_gpu_presets_are_accepted_by_megatron_but_for_what_this_machine_lacks(pr
     for stage, over in [("4K", {})] + list(stages.items()):
         over = {k: v for k, v in over.items() if k not in PRESET_STAGE_KEYS}
         par = ParallelConfig(**{**raw, **over})
-        m = dataclasses.replace(model, recompute=stages.get(stage, {}).get("recompute", model.recompute))
+        memory = stages.get(stage, {})
+        m = dataclasses.replace(model, recompute=memory.get("recompute", model.recompute),
+                                recompute_modules=memory.get("recompute_modules", model.recompute_modules))
         if m.recompute == "none":
             m = dataclasses.replace(m, recompute=None)
         assert _problems(par, m) == [], (stage, _problems(par, m))
         lacking = machine_problems(par, BF16, OptimizerConfig(), cuda=torch.cuda.is_available())
         needs_te_here = {"moe_permute_fusion"} & {f for f in ("moe_permute_fusion",) if getattr(par, f)}
         here = dataclasses.replace(par, moe_permute_fusion=False) if needs_te_here else par
+        if not torch.cuda.is_available():  # moe_act: the grouped-GEMM experts of GPUs only
+            m = dataclasses.replace(m, recompute_modules=[r for r in m.recompute_modules if r != "moe_act"])
         tcfg = to_transformer_config(m, here, BF16)
         assert tcfg.num_layers == m.num_layers
         if needs_te_here and not torch.cuda.is_available():
-            assert "fused_permute" in _megatron_refuses(par, m)  # megatron imports TE's fused permute
+            assert "fused permutation is not available" in _megatron_refuses(par, m)  # TE's fused permute
             assert any(p.startswith("parallel.moe_permute_fusion=true needs CUDA") for p in lacking)
 
 

@@ -104,7 +104,7 @@ def test_glm5_744b_activations_per_pipeline_rank():
     """The shipped 512-GPU layout (TP2 SP, PP8 x VPP2 with uneven ends, EP32) at 4K, selective
     recomputation, bf16 on Transformer Engine: the interleaved warm-up makes the first rank hold
     the most micro-batches, fewer down the pipeline; the last holds the heads' softmax."""
-    rc, layout, ranks = _plan(["model=glm5_744b", "parallel.tp=2", "parallel.pp=8", "parallel.vpp=2", "parallel.ep=32",
+    rc, layout, ranks = _plan(["model=glm5_744b", "model.recompute_modules=[mla_up_proj,moe]", "parallel.tp=2", "parallel.pp=8", "parallel.vpp=2", "parallel.ep=32",
                                "parallel.sequence_parallel=true", "parallel.first_stage_layers=8",
                                "parallel.last_stage_layers=10", "parallel.distributed_optimizer=true", "precision=bf16",
                                "trainer.seq_length=4096", "trainer.micro_batch_size=1",

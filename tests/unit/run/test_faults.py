@@ -82,13 +82,13 @@ def test_zero_means_only_skip():
 def test_manifest_lists_every_file_with_its_size(tmp_path):
     folder = fake_checkpoint(tmp_path, 4)
     manifest = json.loads((folder / "manifest.json").read_text())
-    assert manifest == {"files": {"metadata.json": 2, "common.pt": 50, "__0_0.distcp": 1000}}
+    assert manifest == {"files": {"metadata.json": 2, ".metadata": 50, "__0_0.distcp": 1000}}
     assert checkpoint.verify(str(folder)) is None
 
 
 @pytest.mark.parametrize("damage, why", [
     (lambda f: (f / "__0_0.distcp").write_text("y" * 10), "__0_0.distcp has 10 bytes, 1000 expected"),
-    (lambda f: (f / "common.pt").unlink(), "common.pt is missing"),
+    (lambda f: (f / ".metadata").unlink(), ".metadata is missing"),
     (lambda f: (f / "manifest.json").unlink(), "no readable manifest.json"),
     (lambda f: (f / "manifest.json").write_text('{"files": {"meta'), "no readable manifest.json"),
 ])
@@ -122,7 +122,7 @@ def test_no_checkpoint_and_all_damaged(tmp_path):
     assert checkpoint.latest_checkpoint(str(tmp_path / "absent")) is None
     assert checkpoint.latest_checkpoint(str(tmp_path)) is None
     folder = fake_checkpoint(tmp_path, 2)
-    (folder / "common.pt").unlink()
-    with pytest.raises(RuntimeError, match=r"no complete checkpoint .*iter_0000002: common.pt is missing"
+    (folder / ".metadata").unlink()
+    with pytest.raises(RuntimeError, match=r"no complete checkpoint .*iter_0000002: \.metadata is missing"
                                            r".*move them away, or start the run in another folder"):
         checkpoint.latest_checkpoint(str(tmp_path))

@@ -169,6 +169,10 @@ class DSACoreAttention(MegatronModule):
         super().__init__(config=config)
         self.dsa = dsa
         self.layer_number = layer_number
+        #: this layer's slot (1-based) in the per-layer loss trackers: its number among the
+        #: decoder's layers; the model gives the MTP layer's (numbered from 1 again by megatron
+        #: 0.19) the slot after them, as megatron's router does
+        self.tracker_slot = layer_number
         self.softmax_scale = softmax_scale
         self.indexer = None if dsa.mode == "none" else LightningIndexer(config, dsa)
 
@@ -321,5 +325,5 @@ class DSACoreAttention(MegatronModule):
     def _track(self, kl: torch.Tensor) -> None:
         cfg = self.config
         save_to_aux_losses_tracker(
-            KL_TRACKER, kl.detach(), self.layer_number, cfg.num_layers + (cfg.mtp_num_layers or 0),
+            KL_TRACKER, kl.detach(), self.tracker_slot, cfg.num_layers + (cfg.mtp_num_layers or 0),
             avg_group=parallel_state.get_data_parallel_group(with_context_parallel=True))
