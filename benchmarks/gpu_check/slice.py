@@ -24,7 +24,10 @@ def slice_overrides(device: str, mode: str, seq: int) -> list[str]:
     """The slice's Hydra overrides: GLM-5 (conf/model/glm5_744b.yaml) with 2 MoE layers of
     :data:`SLICE_EXPERTS` experts and no MTP on a GPU; the tiny GLM-5 with 2 layers on CPU."""
     model = (["model=glm5_744b", "model.num_layers=2", "model.first_k_dense=0",
-              f"model.num_experts={SLICE_EXPERTS}"]
+              f"model.num_experts={SLICE_EXPERTS}",
+              # one GPU, no EP overlap: the whole MoE layer recomputed, as before megatron 0.19
+              # made the model's default moe_act (the slice's experts need not be grouped)
+              "model.recompute_modules=[mla_up_proj,moe]"]
              if device == "cuda" else ["model=glm5_tiny", "model.num_layers=2", "model.first_k_dense=1",
                                        "parallel.cpu_emulation=strict"])
     return [*model, "model.mtp_num_steps=0", f"model.dsa.mode={mode}", "precision=bf16", "curriculum=none",

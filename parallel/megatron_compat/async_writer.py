@@ -19,8 +19,8 @@ megatron-core 0.19.2's ``AsyncCallsQueue`` has two callers of its own (``strateg
 stages the tensors as the temporal caller does (``preload_fn``: the device-to-host copy on GPUs, a
 copy on CPU ranks, into shared memory reused by every save: ``fixes.StagingBuffers``), hands it to one
 spawned writer per training process (shared memory), which runs megatron's write function
-(``FileSystemWriterAsync.write_preloaded_data_multiproc``; its per-file writers are forks of the
-writer, a process that never touched CUDA) and sends the write results back with its completion
+(``FileSystemWriterAsync.write_preloaded_data_multithread``: 0.19 writes the files with threads
+of the writer, a process that never touched CUDA) and sends the write results back with its completion
 (they reach megatron's in-process results queue, so no ``multiprocessing.Manager`` is needed).
 The writer sets ``PR_SET_PDEATHSIG`` (SIGKILL when the training process dies, however it dies),
 checks that its parent is still alive right after (a parent gone before the call leaves no one

@@ -117,7 +117,7 @@ def test_the_writer_is_spawned_with_default_signal_handling(held_save):
     import psutil
 
     proc, held, _ = held_save
-    writers = {psutil.Process(pid).ppid() for pid in held}
+    writers = set(held)  # megatron 0.19 writes with threads of the writer: it holds the save itself
     assert len(writers) == 1, writers
     writer = psutil.Process(writers.pop())
     program = psutil.Process(proc.pid)
@@ -125,7 +125,7 @@ def test_the_writer_is_spawned_with_default_signal_handling(held_save):
     assert "spawn_main" in " ".join(writer.cmdline()), writer.cmdline()  # ... a fresh interpreter
     assert writer.cmdline() != program.cmdline()
     assert _signal_dispositions(proc.pid)["SIGTERM"] == "caught"  # the program's handler ...
-    for pid in [writer.pid, *held]:  # ... is not the writer's, nor its file writers'
+    for pid in [writer.pid, *held]:  # ... is not the writer's
         assert _signal_dispositions(pid) == {"SIGINT": "default", "SIGUSR1": "default", "SIGTERM": "default"}, pid
 
 

@@ -51,7 +51,7 @@ def _held_write(transform_list, use_msc, rank, write_buckets, results_queue):
     if os.path.basename(folder) == os.environ.get(HOLD_ENV, "") + ".tmp":
         open(os.path.join(folder, f"held.{os.getpid()}"), "w").close()
         time.sleep(3600)  # the test kills the run meanwhile
-    write = _WRITE[0] if _WRITE else FileSystemWriterAsync.write_preloaded_data_multiproc
+    write = _WRITE[0] if _WRITE else FileSystemWriterAsync.write_preloaded_data_multithread
     return write(transform_list, use_msc, rank, write_buckets, results_queue)
 
 
@@ -59,8 +59,8 @@ def hold_write(wanted: str) -> None:
     from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
 
     os.environ[HOLD_ENV] = wanted
-    _WRITE.append(FileSystemWriterAsync.write_preloaded_data_multiproc)
-    FileSystemWriterAsync.write_preloaded_data_multiproc = staticmethod(_held_write)
+    _WRITE.append(FileSystemWriterAsync.write_preloaded_data_multithread)
+    FileSystemWriterAsync.write_preloaded_data_multithread = staticmethod(_held_write)
 
 
 HOLD = "--hold-write="

@@ -214,13 +214,16 @@ def _rope(cfg: GLM5Config) -> dict:
                 mscale_all_dim=y.mscale_all_dim)
 
 
-def _recompute(cfg: GLM5Config) -> dict:
+def _recompute(cfg: GLM5Config, grouped_experts: bool) -> dict:
     """megatron's activation recomputation: selective (the listed submodules of every layer) or
-    full (each whole layer, one at a time)."""
+    full (each whole layer, one at a time). ``moe_act`` recomputes the grouped-GEMM experts'
+    activation; megatron 0.19 refuses it without them (``SequentialMLP``, CPU builds), where it
+    has nothing to recompute: it is dropped there."""
     if cfg.recompute == "full":
         return dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     if cfg.recompute == "selective":
-        return dict(recompute_granularity="selective", recompute_modules=list(cfg.recompute_modules))
+        modules = [m for m in cfg.recompute_modules if grouped_experts or m != "moe_act"]
+        return dict(recompute_granularity="selective", recompute_modules=modules) if modules else {}
     return {}
 
 
@@ -268,7 +271,7 @@ def to_transformer_config(cfg: GLM5Config, par: ParallelConfig, precision: Preci
         qk_head_dim=cfg.qk_nope_head_dim,
         qk_pos_emb_head_dim=cfg.qk_rope_head_dim,
         v_head_dim=cfg.v_head_dim,
-        **_recompute(cfg),
+        **_recompute(cfg, grouped_experts=not on_cpu),
         **_rope(cfg),
         normalization="RMSNorm",
         layernorm_epsilon=cfg.norm_eps,

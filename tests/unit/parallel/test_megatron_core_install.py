@@ -1,6 +1,7 @@
-"""The installed megatron-core runs on this interpreter: megatron-core 0.17+ declares Python >= 3.12,
-and on 3.11 the bootstrap (Makefile) installs it past that floor, so nothing but this test says
-that its sources are valid 3.11 and that every megatron module the project imports loads."""
+"""The installed megatron-core runs on this interpreter: its sources compile and every megatron
+module the project imports loads. megatron-core 0.17+ declares Python >= 3.12, and the upgrade to
+0.19.2 installs it past that floor on 3.11 (docs/megatron_upgrade.md): nothing but this test would
+say that its sources are valid there."""
 
 import ast
 import importlib
@@ -52,7 +53,7 @@ def test_every_megatron_core_source_compiles_on_this_python():
             bad += [f"{os.path.relpath(path, root)}:{n.lineno}: typing.override" for n in ast.walk(tree)
                     if isinstance(n, ast.ImportFrom) and n.module == "typing"
                     and any(a.name == "override" for a in n.names)]
-    assert count > 400, f"only {count} sources under {root}"
+    assert count > 300, f"only {count} sources under {root}"  # 366 in 0.16.1, 495 in 0.19.2
     assert not bad, f"megatron-core sources that Python {sys.version.split()[0]} cannot run: {bad}"
 
 
