@@ -127,7 +127,38 @@ def _dp_reshardable_padding_zeroed() -> None:
     DistributedOptimizer.sharded_param_state_dp_reshardable = sharded_with_zero_padding
 
 
+#: what identified a saved parameter group up to megatron-core 0.16 (``param_group_identifier_keys``)
+STRUCTURAL_GROUP_KEYS = ("wd_mult", "lr_mult", "is_expert_parallel", "is_decoupled_lr")
+
+
+def _param_groups_matched_by_structure() -> None:
+    """megatron 0.19 identifies a saved parameter group by its schedule too (``max_lr``,
+    ``min_lr``, ``start_wd``, ``end_wd``, ``optimizer``: ``param_group_identifier_keys``). A
+    curriculum stage loads its predecessor's optimizer state under its own schedule, so no group
+    matched ("Could not find parameter group with key ..."). The groups are matched on
+    :data:`STRUCTURAL_GROUP_KEYS`, as 0.16 did; the stage's scheduler sets the schedule values
+    from its first step, as before."""
+    from megatron.core.optimizer import optimizer
+
+    upstream = optimizer.MegatronOptimizer.__dict__["_filter_and_reorder_param_groups"].__func__
+    if getattr(upstream, "_structural", False):
+        return
+
+    @functools.wraps(upstream)
+    def filter_and_reorder_by_structure(current_groups, state_dict_groups):
+        keys = optimizer.param_group_identifier_keys  # read by upstream at call time
+        optimizer.param_group_identifier_keys = STRUCTURAL_GROUP_KEYS
+        try:
+            return upstream(current_groups, state_dict_groups)
+        finally:
+            optimizer.param_group_identifier_keys = keys
+
+    filter_and_reorder_by_structure._structural = True
+    optimizer.MegatronOptimizer._filter_and_reorder_param_groups = staticmethod(filter_and_reorder_by_structure)
+
+
 def install() -> None:
+    _param_groups_matched_by_structure()
     _dp_reshardable_padding_zeroed()
     _dp_reshardable_load_without_grad()
     _placeholder_state_before_sharded_load()

@@ -43,6 +43,9 @@ def _kl_per_layer():
 
 
 def _run(model, tokens, labels, positions, document_ids):
+    from parallel.megatron_compat import reset_loss_trackers
+
+    reset_loss_trackers()  # no entry left by an earlier test in this process (a dense run makes none)
     with torch.no_grad():
         loss = model(tokens[None], positions[None], document_ids, labels=labels[None])
     return loss[0], _kl_per_layer()

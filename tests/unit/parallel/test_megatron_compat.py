@@ -64,6 +64,7 @@ assert names == ["load_state_dict_with_own_steps", "sharded_state_dict_with_stat
 assert multi_token_prediction.roll_tensor is mtp.roll_with_sequence_count
 assert type(filesystem_async._results_queue) is queue.Queue
 assert DistributedOptimizer.load_parameter_state_from_dp_reshardable.__code__.co_name == "load_dp_reshardable_without_grad"
+assert DistributedOptimizer._filter_and_reorder_param_groups.__code__.co_name == "filter_and_reorder_by_structure"
 assert DistributedOptimizer.sharded_param_state_dp_reshardable.__code__.co_name == "sharded_with_zero_padding"
 assert filesystem_async.FileSystemWriterAsync.preload_tensors.__code__.co_name == "preload_into_shared_memory"
 assert CheckpointFunction.forward.__name__ == "forward_in_micro_batch"
@@ -281,6 +282,26 @@ def _steps_after_load_and_one_step(opt, load) -> list:
         p.grad = torch.zeros_like(p)
     opt.optimizer.step()
     return shared, sorted({float(s) for s in steps})
+
+
+def test_saved_param_groups_match_a_new_stages_schedule():
+    """A curriculum stage loads its predecessor's groups under its own learning rates: megatron
+    0.19 matched groups by their ``max_lr`` too and found none; they match by structure."""
+    from megatron.core.optimizer.optimizer import MegatronOptimizer
+
+    megatron_compat.install()
+
+    def group(max_lr, wd_mult, params):
+        return {"params": params, "max_lr": max_lr, "min_lr": max_lr / 10, "wd_mult": wd_mult,
+                "lr_mult": 1.0, "is_expert_parallel": False, "is_decoupled_lr": False}
+
+    saved = [group(2e-3, 0.0, [0]), group(2e-3, 1.0, [1, 2])]
+    current = [group(1e-3, 1.0, ["w"]), group(1e-3, 0.0, ["b"])]  # the next stage, other order
+    matched = MegatronOptimizer._filter_and_reorder_param_groups(current, saved)
+    assert [g["wd_mult"] for g in matched] == [1.0, 0.0]  # paired by structure
+    assert [g["params"] for g in matched] == [[0], [1, 2]]  # the saved order of the state's params
+    with pytest.raises(ValueError, match="Could not find parameter group"):  # structure still counts
+        MegatronOptimizer._filter_and_reorder_param_groups([group(1e-3, 0.5, ["w"])], saved[:1])
 
 
 def test_distributed_optimizer_load_gives_each_parameter_its_own_adam_step(one_rank):
