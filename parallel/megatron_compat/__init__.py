@@ -22,7 +22,9 @@ megatron-core's internals, in one package.
 - ``async_writer.py``: the spawned process that writes async checkpoint saves
   (:func:`spawned_writer_queue`, which checks the release itself; imported where used, not here:
   it imports megatron), in place of megatron's fork per save; ``fixes.py``'s
-  :func:`deferred_rank_zero_writes` keeps a save's rank-0-only write errors for every rank.
+  :func:`deferred_rank_zero_writes` keeps a save's rank-0-only write errors for every rank;
+  ``bucket_writes.py`` keeps a failed file write's error (installed by :func:`install` and in
+  the writer process).
 - ``model_space_shards.py``: the distributed optimizer's state as each rank's own boxes of the
   parameters' global tensors, the format of a stage's final checkpoint into another layout
   (megatron's own gathers, or needs the flattened ranges 0.16.1 refuses).

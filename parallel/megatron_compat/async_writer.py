@@ -42,6 +42,7 @@ from typing import Optional
 import torch
 from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCaller, AsyncCallsQueue, AsyncRequest
 
+from parallel.megatron_compat import bucket_writes
 from parallel.megatron_compat.version import check_megatron_core
 
 PR_SET_PDEATHSIG = 1  #: linux/prctl.h
@@ -80,6 +81,7 @@ def writer_main(parent_pid: int, jobs, done) -> None:
     answers ``(seq, what fn put in its results queue, or the exception it raised)``."""
     die_with_parent(parent_pid)
     default_signal_handling()
+    bucket_writes.install()  # the buckets are written here
     me = os.getpid()
     os.register_at_fork(after_in_child=lambda: die_with_parent(me))  # megatron's per-file writers
     while True:

@@ -10,7 +10,7 @@ import queue
 
 import torch
 
-from parallel.megatron_compat import distrib_optimizer, micro_batch, mtp
+from parallel.megatron_compat import bucket_writes, distrib_optimizer, micro_batch, mtp
 from parallel.megatron_compat.version import check_megatron_core
 
 _INSTALLED = False
@@ -273,6 +273,7 @@ def install() -> None:
     _alltoall_dispatcher_drops_probs_after_combine()
     _replicated_mla_down_projections_without_transformer_engine()
     _in_process_checkpoint_write_results()
+    bucket_writes.install()
     _rank_zero_writes_defer_their_errors()
     _checkpoint_staging_into_shared_memory()
     _batched_p2p_pairs_same_peer_by_direction()

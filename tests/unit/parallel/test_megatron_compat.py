@@ -382,6 +382,35 @@ def test_checkpoint_write_results_stay_in_process():
     assert filesystem_async.get_write_results_queue() is in_process
 
 
+
+@pytest.mark.parametrize("buckets", [1, 3])  # the writing thread's own bucket; and worker threads'
+def test_a_failed_bucket_write_reaches_finalize_with_its_errno(tmp_path, buckets):
+    """0.19.2's writer asserts that every bucket's outcome is a list: a failed write's error became
+    ``"... error: <class 'FileNotFoundError'>"`` (one bucket) or an AssertionError out of the
+    writer (several). With ``bucket_writes`` the retrieved result is megatron's wrapped worker
+    failure naming the errno, caused by the OSError; writes that succeed still return results."""
+    import queue
+
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
+    megatron_compat.install()
+
+    def written(missing: set) -> object:
+        writer = FileSystemWriterAsync(str(tmp_path), thread_count=buckets)
+        writer.write_buckets = [(str(tmp_path / ("missing" if i in missing else ".") / f"{i}.distcp"), f"{i}_",
+                                 ([], [])) for i in range(buckets)]
+        writer.results_queue = queue.Queue()
+        FileSystemWriterAsync.write_preloaded_data_multithread([], False, 0, writer.write_buckets,
+                                                               writer.results_queue)
+        return writer.retrieve_write_results()
+
+    assert written(set()) == []  # empty buckets: no write results, and no failure
+    for failing in ({0}, {buckets - 1}):
+        result = written(failing)
+        assert isinstance(result, tuple), result  # torch's WRAPPED_EXCEPTION: (exception, traceback)
+        error, _ = result
+        assert str(error).startswith("Worker failure: [Errno 2] No such file or directory"), error
+        assert isinstance(error.__cause__, FileNotFoundError)
+
 def test_checkpoint_staging_is_a_shared_memory_snapshot_reused_by_the_next_save():
     """A save's staged tensors are a snapshot (changing the training tensor after staging does not
     change what is written), in shared memory (the spawned writer gets them without a copy), and
