@@ -58,8 +58,9 @@ def install() -> None:
     def write_preloaded_data(transform_list, local_proc_idx, write_bucket, results_queue, count_queue,
                              use_fsync, **kwargs):  # megatron passes all but the first by name
         relay = _Relay(results_queue) if results_queue is not None else None
-        index, outcome = write_one_bucket(transform_list, local_proc_idx, write_bucket, relay, count_queue,
-                                          use_fsync, **kwargs)
+        index, outcome = write_one_bucket(transform_list, local_proc_idx=local_proc_idx, write_bucket=write_bucket,
+                                          results_queue=relay, count_queue=count_queue, use_fsync=use_fsync,
+                                          **kwargs)  # by name, as megatron calls it
         return index, FailedBucket(outcome) if isinstance(outcome, BaseException) else outcome
 
     @functools.wraps(retrieve)
