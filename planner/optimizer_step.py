@@ -2,8 +2,9 @@
 
 - Muon (``pretrain.optim.muon_adamw``): every Muon direction (fp32, the rank's own elements) lives
   at once; with the distributed optimizer each wrapper (megatron chains one for the dense buffers,
-  one for the expert buffers, stepped one after the other) also all-reduces a zero-filled fp32
-  buffer of *all* its Muon matrices, unsharded, to rebuild whole matrices. Newton-Schulz then
+  one for the expert buffers, stepped one after the other) also packs its own shards into one fp32
+  segment and all-gathers every rank's: a buffer of *all* its Muon matrices, unsharded, from which
+  whole matrices are rebuilt. Newton-Schulz then
   works on one matrix at a time (TP-gathered when TP splits it other than per head): the matrix,
   its iterate, A = X X^T, B and B X, and the concatenated update.
 - Adam: megatron uses Transformer Engine's (or apex's) fused Adam on GPUs: no temporaries. The
@@ -57,7 +58,7 @@ def optimizer_step_bytes(rank, rc, state) -> int:
     step = 0
     for kind, group in (("dense", rank.dp), ("expert", rank.expert_dp)):
         own = m[kind] // group if distributed else m[kind]
-        assembly = m[kind] if distributed else 0
+        assembly = m[kind] + own if distributed else 0  # the gathered buffer and the packed segment
         step = max(step, FP32 * (own + assembly))
     adam_elements = state.optimizer // (2 * FP32) - state.muon_idle // FP32
     # MuonAdamW steps its Adam groups first, then the Muon matrices

@@ -37,7 +37,7 @@ The slowest pipeline rank sets the pace: its busy time per micro-batch times the
 a step; the pipeline bubble adds ``(pp - 1) / (vpp * m)`` of that. After the last micro-batch the
 data-parallel gradient reduction (distributed optimizer: fp32 gradient reduce-scatter + parameter
 all-gather; otherwise an fp32 all-reduce; Muon with the distributed optimizer adds its fp32
-all-reduce of the Muon matrices) and the embedding/MTP copies' all-reduce: ``overlap_grad_reduce``
+all-gather of the Muon matrices' direction shards) and the embedding/MTP copies' all-reduce: ``overlap_grad_reduce``
 hides ``dp_overlap`` of the reduction behind the last micro-batch's backward and the cool-down
 half of the bubble, ``overlap_param_gather`` of the gather behind the first forward and the
 warm-up half. Then the optimizer step: its element-wise traffic (Adam: ~30 bytes per element a
@@ -90,9 +90,10 @@ GRAD_ACCUMULATION_BYTES = 10
 #: bytes per stepped element of the optimizer step: fp32 grad read, fp32 main param, exp_avg and
 #: exp_avg_sq read and written, bf16 param written (bf16 moments: 4 of each moment's 8)
 OPTIMIZER_BYTES = 30
-#: Muon with the distributed optimizer: its zero-filled buffer of all Muon matrices, filled and
-#: read back around the all-reduce (fp32 writes and reads per unsharded element)
-MUON_ASSEMBLY_BYTES = 12
+#: Muon with the distributed optimizer: the all-gathered fp32 buffer of all Muon matrices, written
+#: by the all-gather and read back by Newton-Schulz (per unsharded element; the rank's own segment,
+#: packed before it, is 1/dp of that again and counted as the elements a rank steps)
+MUON_ASSEMBLY_BYTES = 8
 #: FP8 (Transformer Engine): bytes per value of each linear layer's input (forward) and output
 #: gradient (backward) to quantise it: read bf16 (2), write the row- and column-wise fp8 copies
 #: the forward and the weight gradient use (2)
@@ -539,7 +540,7 @@ def _dp_time(rc, layout, cluster, param_bytes: int, grads: list) -> tuple[float,
     """(gradient reduction, parameter gathering, the rest) over data parallelism after the last
     micro-batch, for the pipeline rank with the most to move: the distributed optimizer's fp32
     gradient reduce-scatter and parameter all-gather (otherwise an fp32 all-reduce, counted as the
-    reduction); the rest: Muon's fp32 all-reduce of its matrices (distributed optimizer) and the
+    reduction); the rest: Muon's fp32 all-gather of its matrices (distributed optimizer) and the
     all-reduce of the word embedding's gradient between its copies (first stage, MTP)."""
     m, p = rc.model, rc.parallel
     tp, cp, ep, etp, pp = p.tp, p.cp, p.ep, p.expert_tp, p.pp
@@ -553,7 +554,7 @@ def _dp_time(rc, layout, cluster, param_bytes: int, grads: list) -> tuple[float,
             if p.distributed_optimizer:
                 reduce += _group_time(n * 4, group, stride, cluster, cluster.comm_efficiency)
                 gather += _group_time(n * param_bytes, group, stride, cluster, cluster.comm_efficiency)
-                other += _group_time(2 * 4 * muon_n, group, stride, cluster, cluster.comm_efficiency) if muon else 0.0
+                other += _group_time(4 * muon_n, group, stride, cluster, cluster.comm_efficiency) if muon else 0.0
             else:
                 reduce += _group_time(2 * 4 * n, group, stride, cluster, cluster.comm_efficiency)
         if reduce + gather + other > worst_sum:

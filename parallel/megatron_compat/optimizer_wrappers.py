@@ -65,6 +65,28 @@ def owned_range(wrapper, model_param) -> tuple[int, int]:
     return r.start, r.end
 
 
+def owned_ranges_of_every_rank(wrapper) -> list[dict]:
+    """For each data-parallel rank (in the group's order), ``{model parameter: (start, end)}``: the
+    part of the flattened parameter that rank's shard holds. megatron's own range computation
+    (``DistributedOptimizer._build_model_gbuf_param_range_map``), applied to every rank's
+    contiguous share of every bucket (megatron keeps only this rank's)."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer, Range
+
+    check_megatron_core(__file__)
+    size = wrapper.data_parallel_group.size()
+    ranks: list[dict] = [{} for _ in range(size)]
+    for buffer in wrapper.buffers:
+        for bucket in buffer.buckets:
+            numel = bucket.grad_data.numel()
+            share = numel // size
+            for r in range(size):
+                world = Range(bucket.offset + r * share, bucket.offset + min(numel, (r + 1) * share))
+                ranges = DistributedOptimizer._build_model_gbuf_param_range_map(
+                    buffer.param_index_map, world, bucket.offset)
+                ranks[r].update({p: (rr["param"].start, rr["param"].end) for p, rr in ranges.items()})
+    return ranks
+
+
 def data_parallel_group(wrapper):
     """The group whose ranks share a distributed optimizer's buffers."""
     return wrapper.data_parallel_group

@@ -93,18 +93,21 @@ def _overrides(cfg, opt: OptimizerConfig) -> dict:
 
 
 def _assembly(wrapper, specs: dict, main_of: dict) -> DPAssembly:
-    """Where each of this rank's Muon shards sits in the DP assembly buffer: the wrapper's Muon
-    matrices one after the other, in megatron's buffer order (the same on every DP rank)."""
+    """The DP assembly of the wrapper's Muon matrices: one after the other, in megatron's buffer
+    order (the same on every DP rank); every rank's owned runs of them, and where each of this
+    rank's shards sits."""
     offsets, numel = {}, 0
     for model_param in optimizer_wrappers.buffer_order(wrapper):
         if model_param in specs:
             offsets[model_param] = numel
             numel += model_param.numel()
+    segments = [[(offsets[p] + start, end - start) for p, (start, end) in ranges.items() if p in offsets]
+                for ranges in optimizer_wrappers.owned_ranges_of_every_rank(wrapper)]
     placements = {main: ShardPlacement(offsets[model_param], model_param.numel(),
                                        *optimizer_wrappers.owned_range(wrapper, model_param))
                   for model_param, main in main_of.items()}
-    return DPAssembly(optimizer_wrappers.data_parallel_group(wrapper), numel, placements,
-                      optimizer_wrappers.buffer_device(wrapper))
+    group = optimizer_wrappers.data_parallel_group(wrapper)
+    return DPAssembly(group, group.rank(), segments, placements, optimizer_wrappers.buffer_device(wrapper))
 
 
 def _adopt(wrapper, specs: dict, hyper: MuonHyper, opt: OptimizerConfig) -> None:

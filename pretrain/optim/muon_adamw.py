@@ -15,13 +15,14 @@ The update per matrix, as ``torch.optim.Muon``: ``B <- mu B + (1 - mu) g``; Nest
 ``g + mu (B - g)``; orthogonalise (per block, see ``newton_schulz``); decoupled weight decay
 ``W <- W (1 - lr wd)``; ``W <- W - lr * rms_scale * O``.
 
-Distributed optimizer: a rank owns a contiguous range of the flattened buffer, so it may hold
-only part of a matrix. Every Muon direction shard is written into one zero-filled buffer of all
-the wrapper's Muon matrices (same layout on every DP rank) and summed over the DP group (each
-element has exactly one owner, so the sum is an all-gather); each rank then orthogonalises only
-the matrices it owns a part of and keeps its range. Communication per step: one all-reduce of
-the Muon parameters' size; Newton-Schulz work is duplicated only for matrices straddling a rank
-boundary.
+Distributed optimizer: a rank owns a contiguous range of each bucket of the flattened buffer, so
+it may hold only part of a matrix. Each rank packs its Muon direction shards (in buffer order)
+into one fp32 segment, and one all-gather over the DP group brings every rank's segment
+(:class:`DPAssembly`); a whole matrix is a view of the gathered buffer, or the concatenation of
+its pieces where it straddles a rank boundary. Each rank then orthogonalises only the matrices it
+owns a part of and keeps its range. Communication per step: one all-gather of the Muon
+parameters' size (segments padded to the largest rank's); Newton-Schulz work is duplicated only
+for matrices straddling a rank boundary.
 """
 
 from __future__ import annotations
@@ -57,23 +58,86 @@ class ShardPlacement:
 
 
 class DPAssembly:
-    """Rebuilds whole matrices from the DP ranks' shards (see the module docstring). ``device``
-    is the parameters' (megatron's grad buffers'): the buffer is all-reduced (NCCL on GPUs) and
-    Newton-Schulz runs on views of it; a rank that owns no Muon shard still joins the all-reduce,
-    so the device cannot be taken from its directions."""
+    """Rebuilds whole matrices from the DP ranks' shards with one all-gather.
 
-    def __init__(self, group, numel: int, placements: dict, device: torch.device):
-        self.group, self.numel, self.placements = group, numel, placements
+    ``segments`` lists, for every rank of ``group`` in order, the runs ``(start, length)`` of the
+    Muon elements it owns (in any order), in the assembly layout (the wrapper's Muon matrices one after the other,
+    in megatron's buffer order: the same on every rank); ``placements`` are this rank's shards.
+    ``device`` is the parameters' (megatron's grad buffers'): the segments are gathered there (NCCL
+    on GPUs) and Newton-Schulz runs on views of them; a rank that owns no Muon shard still sends
+    its (padding) segment, so the device cannot be taken from its directions."""
+
+    def __init__(self, group, rank: int, segments: list, placements: dict, device: torch.device):
+        self.group, self.placements = group, placements
         self.device = torch.device(device)
+        segments = [_merged(runs) for runs in segments]  # a rank packs its shards in assembly order
+        self.width = max((sum(n for _, n in runs) for runs in segments), default=0)
+        self.own = sorted(placements, key=lambda p: placements[p].offset + placements[p].start)
+        owned = [(placements[p].offset + placements[p].start, placements[p].end - placements[p].start)
+                 for p in self.own]
+        if _merged(owned) != segments[rank]:
+            raise ValueError(f"DP rank {rank}'s Muon shards {owned} are not its segment {segments[rank]}")
+        self.padding = self.width - sum(n for _, n in owned)
+        # where each run of every rank sits in the gathered buffer, by assembly position
+        runs = sorted((start, r * self.width + at, n) for r, rank_runs in enumerate(segments)
+                      for (start, n), at in zip(rank_runs, _positions(rank_runs)))
+        self.pieces = {p: _pieces(runs, placements[p].offset, placements[p].numel) for p in placements}
 
     def gather(self, directions: dict) -> dict:
-        flat = torch.zeros(self.numel, dtype=torch.float32, device=self.device)
-        for p, d in directions.items():
-            at = self.placements[p]
-            flat[at.offset + at.start: at.offset + at.end] = d
-        dist.all_reduce(flat, group=self.group)
-        return {p: flat[self.placements[p].offset: self.placements[p].offset + self.placements[p].numel]
-                for p in directions}
+        """{shard: its whole matrix, flattened} for the shards in ``directions`` (one per Muon
+        matrix this rank owns a part of; a shard without a direction sends zeros)."""
+        sent = [directions[p] if p in directions else
+                torch.zeros(self.placements[p].end - self.placements[p].start, device=self.device)
+                for p in self.own]
+        sent.append(torch.zeros(self.padding, dtype=torch.float32, device=self.device))
+        segment = torch.cat([d.reshape(-1).float() for d in sent])
+        gathered = torch.empty(self.width * dist.get_world_size(self.group), dtype=torch.float32,
+                               device=self.device)
+        dist.all_gather_single(gathered, segment, group=self.group)
+        return {p: _joined(gathered, self.pieces[p]) for p in directions}
+
+
+def _positions(runs: list) -> list:
+    """Where each run starts in its rank's segment."""
+    at, out = 0, []
+    for _, n in runs:
+        out.append(at)
+        at += n
+    return out
+
+
+def _merged(runs: list) -> list:
+    """The runs ``(start, length)`` with adjacent ones joined."""
+    out: list = []
+    for start, n in sorted(runs):
+        if out and out[-1][0] + out[-1][1] == start:
+            out[-1] = (out[-1][0], out[-1][1] + n)
+        elif n:
+            out.append((start, n))
+    return out
+
+
+def _pieces(runs: list, offset: int, numel: int) -> list:
+    """The slices ``(at, length)`` of the gathered buffer that make up assembly elements
+    [offset, offset + numel), in order; every element must have exactly one owner."""
+    out, covered = [], offset
+    for start, at, n in runs:
+        lo, hi = max(start, offset), min(start + n, offset + numel)
+        if lo < hi:
+            if lo != covered:
+                raise ValueError(f"assembly elements [{covered}, {lo}) have no owner or two")
+            out.append((at + lo - start, hi - lo))
+            covered = hi
+    if covered != offset + numel:
+        raise ValueError(f"assembly elements [{covered}, {offset + numel}) have no owner")
+    return out
+
+
+def _joined(gathered: torch.Tensor, pieces: list) -> torch.Tensor:
+    if len(pieces) == 1:
+        at, n = pieces[0]
+        return gathered[at: at + n]
+    return torch.cat([gathered[at: at + n] for at, n in pieces])
 
 
 class MuonAdamW(torch.optim.AdamW):

@@ -141,20 +141,121 @@ def test_split_update_is_the_blocks_orthogonalised_independently():
         orthogonalized_update(m, (24, 31), 5, "fp32", "match_rms_adamw")
 
 
-def test_dp_assembly_buffer_lives_on_the_parameters_device(monkeypatch):
-    """The distributed optimizer's assembly buffer is all-reduced (NCCL on GPUs) and Newton-Schulz
-    runs on views of it: it is made on the device it is given (megatron's grad buffers'), not the
-    host. ``meta`` stands in for the GPU; a rank without Muon shards all-reduces it too."""
+def test_dp_assembly_gathers_on_the_parameters_device(monkeypatch):
+    """The distributed optimizer's assembly is all-gathered (NCCL on GPUs) and Newton-Schulz runs
+    on views of it: it is made on the device it is given (megatron's grad buffers'), not the
+    host. ``meta`` stands in for the GPU; a rank without Muon shards sends its padding too."""
     from pretrain.optim.muon_adamw import DPAssembly, ShardPlacement
 
-    reduced = []
-    monkeypatch.setattr(dist, "all_reduce", lambda t, group=None: reduced.append(t))
+    gathered = []
+    monkeypatch.setattr(dist, "all_gather_single", lambda out, t, group=None: gathered.append((out, t)))
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
     a, b = torch.empty(2, 3, device="meta"), torch.empty(4, device="meta")
-    assembly = DPAssembly(None, 10, {a: ShardPlacement(0, 6, 0, 6), b: ShardPlacement(6, 4, 1, 3)}, "meta")
-    full = assembly.gather({a: a.reshape(-1), b: b[:2]})
-    assembly.gather({})
-    assert [t.device.type for t in reduced] == ["meta", "meta"] and reduced[0].shape == (10,)
+    segments = [[(0, 6), (7, 3)], [(6, 1)]]  # rank 0: a, b[1:]; rank 1: b[0]
+    assembly = DPAssembly(None, 0, segments, {a: ShardPlacement(0, 6, 0, 6), b: ShardPlacement(6, 4, 1, 4)}, "meta")
+    full = assembly.gather({a: a.reshape(-1), b: b[1:]})
+    DPAssembly(None, 1, [[(0, 10)], []], {}, "meta").gather({})
+    assert [(o.device.type, o.shape[0], t.device.type, t.shape[0]) for o, t in gathered] == [
+        ("meta", 18, "meta", 9), ("meta", 20, "meta", 10)]
     assert full[a].device.type == "meta" and full[b].shape == (4,)
+    with pytest.raises(ValueError, match=r"DP rank 1's Muon shards \[\] are not its segment \[\(6, 1\)\]"):
+        DPAssembly(None, 1, segments, {}, "meta")
+
+
+#: matrices (Muon) and a vector (Adam) in one flattened buffer of two buckets, as megatron lays out
+#: a distributed optimizer's grad buffer; each bucket padded to a multiple of 4 ranks
+SHAPES = {"a": (6, 5), "adam": (5,), "b": (3, 7), "c": (8, 4)}
+BUCKETS = [("a", "adam"), ("b", "c")]
+
+
+def _owned(size: int) -> list:
+    """For each of ``size`` ranks, {name: (start, end)} of the flattened tensor it owns: each
+    bucket cut into ``size`` equal contiguous shares (megatron's rule)."""
+    ranks, offset = [{} for _ in range(size)], 0
+    for bucket in BUCKETS:
+        numel = sum(torch.Size(SHAPES[n]).numel() for n in bucket)
+        padded = -(-numel // 4) * 4
+        share, at = padded // size, 0
+        for name in bucket:
+            n = torch.Size(SHAPES[name]).numel()
+            for r in range(size):
+                lo, hi = max(at, r * share), min(at + n, (r + 1) * share)
+                if lo < hi:
+                    ranks[r][name] = (lo - at, hi - at)
+            at += n
+        offset += padded
+    return ranks
+
+
+def _dp_assembly_worker(rank: int, port: int, out: str) -> None:
+    """Three Muon steps of the same matrices over DP groups of 1, 2 and 4 (real gloo): this rank's
+    updated shards, for the parent to compare."""
+    from datetime import timedelta
+
+    from pretrain.optim.muon_adamw import DPAssembly, ShardPlacement
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=4,
+                            timeout=timedelta(seconds=60))
+    groups = {size: [dist.new_group(list(range(s, s + size))) for s in range(0, 4, size)] for size in (1, 2, 4)}
+    matrices = [n for n in SHAPES if len(SHAPES[n]) == 2]
+    offsets = {n: sum(torch.Size(SHAPES[m]).numel() for m in matrices[:i]) for i, n in enumerate(matrices)}
+    start = _start()
+    g = torch.Generator().manual_seed(1)
+    grads = [{n: torch.randn(SHAPES[n], generator=g) for n in matrices} for _ in range(3)]
+    result = {}
+    for size in (1, 2, 4):
+        group, me = groups[size][rank // size], rank % size
+        owned = _owned(size)
+        segments = [[(offsets[n] + lo, hi - lo) for n, (lo, hi) in ranks.items() if n in offsets] for ranks in owned]
+        shards = {n: torch.nn.Parameter(start[n].reshape(-1)[lo:hi].clone())
+                  for n, (lo, hi) in owned[me].items() if n in offsets}
+        placements = {shards[n]: ShardPlacement(offsets[n], start[n].numel(), lo, hi)
+                      for n, (lo, hi) in owned[me].items() if n in offsets}
+        opt = MuonAdamW([{"params": list(shards.values()), "muon": True, "lr": 0.02, "weight_decay": 0.1}],
+                        matrices={shards[n]: MatrixSpec(n, SHAPES[n]) for n in shards}, hyper=MuonHyper(),
+                        assembly=DPAssembly(group, me, segments, placements, "cpu"))
+        for step in grads:
+            for n, p in shards.items():
+                lo, hi = owned[me][n]
+                p.grad = step[n].reshape(-1)[lo:hi].clone()
+            opt.step()
+        result[size] = {n: (owned[me][n], p.detach().clone()) for n, p in shards.items()}
+    torch.save(result, os.path.join(out, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+@pytest.mark.heavy
+def test_dp_assembly_updates_are_bitwise_the_same_at_dp1_dp2_and_dp4(tmp_path):
+    """The all-gather brings each rank exactly the other ranks' direction shards: three Muon
+    steps give bit-identical matrices whether one rank owns them or 2 or 4 share them (shards
+    that cut matrices, a bucket boundary, an Adam vector between them)."""
+    from parallel.initialize import free_port
+
+    ctx = torch.multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["tests.conftest", __name__])  # bootstrap(), then one import of this module,
+    # in a fresh process the 4 ranks are forked from
+    torch.multiprocessing.start_processes(_dp_assembly_worker, args=(free_port(), str(tmp_path)), nprocs=4,
+                                          start_method="forkserver")
+    results = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(4)]
+    start = _start()
+    for name in ("a", "b", "c"):
+        reference = results[0][1][name][1]  # rank 0 alone
+        assert not torch.equal(reference, start[name].reshape(-1))  # the steps moved the weights
+        for size in (1, 2, 4):
+            for first in range(0, 4, size):  # each DP group of that size
+                whole, covered = torch.zeros_like(reference), 0
+                for rank in range(first, first + size):
+                    if name in results[rank][size]:
+                        (lo, hi), shard = results[rank][size][name]
+                        whole[lo:hi] = shard
+                        covered += hi - lo
+                assert covered == whole.numel(), (size, name)
+                assert torch.equal(whole, reference), (size, first, name)
+
+
+def _start() -> dict:
+    g = torch.Generator().manual_seed(0)
+    return {n: torch.randn(SHAPES[n], generator=g) for n in SHAPES if len(SHAPES[n]) == 2}
 
 
 # --- config ---------------------------------------------------------------------------------------
