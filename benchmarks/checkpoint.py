@@ -34,6 +34,10 @@ for this model and layout (``planner.checkpoint``). Ratios are after / before fr
 
 from __future__ import annotations
 
+from parallel.megatron_compat import bootstrap
+
+bootstrap()  # before megatron-core's first import
+
 import argparse
 import json
 import os

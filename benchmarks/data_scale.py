@@ -28,6 +28,10 @@ does not hold at 100%; the rest of that build cannot even start here (8,000 open
 
 from __future__ import annotations
 
+from parallel.megatron_compat import bootstrap
+
+bootstrap()  # before megatron-core's first import
+
 import argparse
 import json
 import math

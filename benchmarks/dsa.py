@@ -23,6 +23,10 @@ the dense flash kernel does on a contiguous causal problem.
 
 from __future__ import annotations
 
+from parallel.megatron_compat import bootstrap
+
+bootstrap()  # before megatron-core's first import
+
 import argparse
 import json
 import os

@@ -14,6 +14,10 @@ forward above the inputs (the output and what autograd keeps for backward).
 
 from __future__ import annotations
 
+from parallel.megatron_compat import bootstrap
+
+bootstrap()  # before megatron-core's first import
+
 import argparse
 import json
 import os

@@ -33,6 +33,10 @@ Exit status: 0 ok, 1 correctness failure, 2 no suitable GPU, 3 speed target miss
 
 from __future__ import annotations
 
+from parallel.megatron_compat import bootstrap
+
+bootstrap()  # before megatron-core's first import
+
 import argparse
 import os
 import statistics

@@ -12,6 +12,10 @@ runs. Prints one JSON line per measurement and a summary.
 
 from __future__ import annotations
 
+from parallel.megatron_compat import bootstrap
+
+bootstrap()  # before megatron-core's first import
+
 import argparse
 import hashlib
 import json

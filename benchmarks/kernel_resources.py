@@ -19,6 +19,10 @@ numbers (its ``RESOURCES``) to what this reports.
 
 from __future__ import annotations
 
+from parallel.megatron_compat import bootstrap
+
+bootstrap()  # before megatron-core's first import
+
 import argparse
 import dataclasses
 import importlib

@@ -12,6 +12,10 @@ analytic count (kv latent + rope key, + indexer key when the indexer runs) x 4 b
 
 from __future__ import annotations
 
+from parallel.megatron_compat import bootstrap
+
+bootstrap()  # before megatron-core's first import
+
 import argparse
 import json
 import os

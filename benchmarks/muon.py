@@ -13,6 +13,10 @@ so one peak LR is swept for both groups together.
 
 from __future__ import annotations
 
+from parallel.megatron_compat import bootstrap
+
+bootstrap()  # before megatron-core's first import
+
 import argparse
 import os
 import statistics

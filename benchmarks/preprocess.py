@@ -20,6 +20,10 @@ beat it on this machine).
 
 from __future__ import annotations
 
+from parallel.megatron_compat import bootstrap
+
+bootstrap()  # before megatron-core's first import
+
 import argparse
 import json
 import multiprocessing

@@ -11,6 +11,10 @@ of its median (it includes first-touch allocations).
 
 from __future__ import annotations
 
+from parallel.megatron_compat import bootstrap
+
+bootstrap()  # before megatron-core's first import
+
 import argparse
 import os
 import statistics

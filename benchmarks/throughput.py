@@ -10,6 +10,10 @@
 
 from __future__ import annotations
 
+from parallel.megatron_compat import bootstrap
+
+bootstrap()  # before megatron-core's first import
+
 import argparse
 import os
 import statistics

@@ -1,5 +1,3 @@
 """Text -> tokens -> batches: sample corpora (``samples/``), tokenizer, DataTrove preprocessing
 into megatron indexed datasets (``preprocess``), corpus registry and mixtures (``config``),
 long-context packing (``packing``) and the runtime blended datasets a run trains on (``build``)."""
-
-import parallel.megatron_compat  # noqa: F401 -- installs what must precede megatron-core's import

@@ -17,6 +17,10 @@ imported when it runs); nothing else in ``data_pipeline`` imports ``pretrain``.
 
 from __future__ import annotations
 
+from parallel.megatron_compat import bootstrap
+
+bootstrap()  # before megatron-core's first import
+
 import sys
 
 

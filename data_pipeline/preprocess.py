@@ -25,6 +25,10 @@ writes ``stats.json`` and renames the folder; the training run then finds it com
 
 from __future__ import annotations
 
+from parallel.megatron_compat import bootstrap
+
+bootstrap()  # before megatron-core's first import
+
 import codecs
 import errno
 import glob

@@ -2,5 +2,3 @@
 (``model/``), counting without building it (``counting/``) and its Hugging Face tool (``hf/``).
 The run config's ``model`` group names the family's config; there is one family today, so there
 is no lookup by name."""
-
-import parallel.megatron_compat  # noqa: F401 -- installs what must precede megatron-core's import

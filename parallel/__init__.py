@@ -1,4 +1,2 @@
 """How ranks cooperate: layout config + validation, process-group init, context parallelism, and
 every change to megatron-core (`megatron_compat`: fixes on every backend, CPU emulation)."""
-
-import parallel.megatron_compat  # noqa: F401 -- installs what must precede megatron-core's import

@@ -9,6 +9,10 @@ overrides. Exit status: 0 every stage validates and fits, 1 a stage does not fit
 
 from __future__ import annotations
 
+from parallel.megatron_compat import bootstrap
+
+bootstrap()  # before megatron-core's first import
+
 import json
 import math
 import os

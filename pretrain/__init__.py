@@ -8,5 +8,3 @@
 - ``reliability/``: preemption and non-finite steps, the run-dir lock.
 Checkpoints are :mod:`checkpointing`; the offline planner is :mod:`planner`.
 """
-
-import parallel.megatron_compat  # noqa: F401 -- installs what must precede megatron-core's import

@@ -9,6 +9,10 @@ last stdout line.
 
 from __future__ import annotations
 
+from parallel.megatron_compat import bootstrap
+
+bootstrap()  # before megatron-core's first import
+
 import atexit
 import gc
 import json

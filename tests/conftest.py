@@ -1,12 +1,15 @@
 """Session set-up shared by every test directory, and the rank slot multi-rank tests hold under
 pytest-xdist (:mod:`tests.support.core_gate`)."""
 
+from parallel.megatron_compat import bootstrap
+
+bootstrap()  # before megatron-core's first import
+
 import os
 import sys
 
 import pytest
 
-import parallel.megatron_compat  # noqa: F401 -- before any test module imports megatron-core
 from tests.support import core_gate
 
 if core_gate.active():  # two workers on two cores: a one-rank run, like each test, keeps one busy

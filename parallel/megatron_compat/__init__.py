@@ -32,8 +32,8 @@ megatron-core's internals, in one package.
   group and ``torch.cuda.current_device`` as one rank of a layout sees them, without process
   groups, for the planner's meta builds (restored on exit).
 - ``jit_fusers.py``: megatron's ``torch.compile`` decorator made a plain one without CUDA, before
-  megatron is imported (it costs every CPU process ~1.8 s of its start); installed when this
-  package is imported, which every package importing megatron does first.
+  megatron is imported (it costs every CPU process ~1.8 s of its start); installed by
+  :func:`bootstrap`.
 - CPU emulation, only without CUDA: ``cpu_emulation.py`` (CUDA on CPU ranks) and
   ``strict_cuda.py`` (fail where CUDA would), installed by ``cpu_emulation.install``.
 
@@ -42,14 +42,32 @@ other modules refuse a megatron-core release other than the one they were writte
 (``version.py``), so an upgrade shows which to re-check.
 """
 
+import importlib
+
 from parallel.megatron_compat import jit_fusers
 
-jit_fusers.install()  # first: before megatron-core's first import (jit_fusers.py says why)
 
-from parallel.megatron_compat.fixes import (  # noqa: E402
-    deferred_rank_zero_writes, install, release_cached_modules, reset_loss_trackers, take_deferred_write_failure)
-from parallel.megatron_compat.micro_batch import MicroBatch  # noqa: E402
-from parallel.megatron_compat.mtp import config_with_mtp_depths, set_mtp_block_class  # noqa: E402
+def bootstrap() -> None:
+    """What a process does before megatron-core's first import, called first by each entry point
+    (``pretrain.train``, ``planner``, ``data_pipeline.prepare`` and ``preprocess``, the HF tool,
+    ``benchmarks/``, the async checkpoint writer, ``tests/conftest.py`` and the test helpers run
+    as processes): :mod:`.jit_fusers`' plain ``torch.compile`` without CUDA. Idempotent; once
+    megatron is imported it changes nothing (a process that skips it starts ~1.8 s slower on CPU
+    and computes the same). Importing this package imports no megatron: the names below load
+    their module on first use."""
+    jit_fusers.install()
 
-__all__ = ["MicroBatch", "config_with_mtp_depths", "install", "release_cached_modules", "reset_loss_trackers",
-           "set_mtp_block_class"]
+
+#: the package's names, each loaded from its module on first use (they import megatron-core)
+_NAMES = {"install": "fixes", "release_cached_modules": "fixes", "reset_loss_trackers": "fixes",
+          "deferred_rank_zero_writes": "fixes", "take_deferred_write_failure": "fixes",
+          "MicroBatch": "micro_batch", "config_with_mtp_depths": "mtp", "set_mtp_block_class": "mtp"}
+
+
+def __getattr__(name: str):
+    if name not in _NAMES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_NAMES[name]}"), name)
+
+
+__all__ = ["bootstrap", *_NAMES]

@@ -9,9 +9,9 @@ run's import goes from ~5 s to ~3 s). On CPU ranks those functions run eagerly a
 decorator changes no result, only the start. With CUDA, megatron's ``torch.compile`` stays.
 
 The decorator is bound when ``megatron.core.jit`` is first imported, so :func:`install` has to run
-before megatron's first import: ``parallel.megatron_compat`` calls it on import, and each package
-whose modules import megatron imports ``parallel.megatron_compat`` first. Where megatron came in
-earlier, nothing changes (the stance still keeps the functions eager).
+before megatron's first import: ``parallel.megatron_compat.bootstrap``, which each entry point
+calls before its other imports. Where megatron came in earlier, nothing changes (the stance still
+keeps the functions eager).
 """
 
 from __future__ import annotations

@@ -10,6 +10,10 @@ set: in the program, and in a spawned writer, which imports the program's main m
 
 from __future__ import annotations
 
+from parallel.megatron_compat import bootstrap
+
+bootstrap()  # before megatron-core's first import
+
 import os
 import signal
 import subprocess
@@ -31,7 +35,6 @@ def _held_write(*args, **kwargs):
 
 
 if os.environ.get(HOLD_ENV):
-    import parallel.megatron_compat  # noqa: F401 -- before megatron-core's import
     from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
 
     FileSystemWriterAsync.write_preloaded_data = staticmethod(_held_write)

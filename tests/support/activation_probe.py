@@ -15,6 +15,10 @@ counted); the optimizer update after the schedule is skipped. Rank 0 writes
 
 from __future__ import annotations
 
+from parallel.megatron_compat import bootstrap
+
+bootstrap()  # before megatron-core's first import
+
 import functools
 import gc
 import json

@@ -11,6 +11,10 @@ has no hook for this.
 
 from __future__ import annotations
 
+from parallel.megatron_compat import bootstrap
+
+bootstrap()  # before megatron-core's first import
+
 import runpy
 import sys
 import time

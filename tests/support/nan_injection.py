@@ -12,6 +12,10 @@ right for one-stage runs (``curriculum=none``), the only kind the tests launch w
 
 from __future__ import annotations
 
+from parallel.megatron_compat import bootstrap
+
+bootstrap()  # before megatron-core's first import
+
 import runpy
 import sys
 

@@ -23,6 +23,10 @@ Protocol (files in SPOOL, each written whole with a rename): the client writes `
 
 from __future__ import annotations
 
+from parallel.megatron_compat import bootstrap
+
+bootstrap()  # before megatron-core's first import
+
 import atexit
 import contextlib
 import json

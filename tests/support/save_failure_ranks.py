@@ -24,6 +24,10 @@ the functions the project's fixes wrap.
 
 from __future__ import annotations
 
+from parallel.megatron_compat import bootstrap
+
+bootstrap()  # before megatron-core's first import
+
 import builtins
 import json
 import os

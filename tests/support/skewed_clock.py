@@ -9,6 +9,10 @@ so by its own clock a save is due after every step; the others' clocks are untou
 
 from __future__ import annotations
 
+from parallel.megatron_compat import bootstrap
+
+bootstrap()  # before megatron-core's first import
+
 import os
 import runpy
 import sys

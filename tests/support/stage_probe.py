@@ -7,6 +7,10 @@ alive (weak references); after megatron's groups are (re)built, the name torch g
 layout's tensor-parallel group. Written to ``<run_dir>/stage_probe.rank<r>.json``.
 """
 
+from parallel.megatron_compat import bootstrap
+
+bootstrap()  # before megatron-core's first import
+
 import gc
 import json
 import os

@@ -16,6 +16,10 @@ The training code has no hook for either.
 
 from __future__ import annotations
 
+from parallel.megatron_compat import bootstrap
+
+bootstrap()  # before megatron-core's first import
+
 import os
 import runpy
 import signal

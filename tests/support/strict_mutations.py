@@ -8,6 +8,10 @@ it. MUTATION:
   (the DSA indexer's projections, the local spec's norms) keep host parameters.
 """
 
+from parallel.megatron_compat import bootstrap
+
+bootstrap()  # before megatron-core's first import
+
 import runpy
 import sys
 

@@ -20,6 +20,10 @@ status 1. Mapping, memory and format notes: ``hf_convert``, ``hf_mapping``,
 
 from __future__ import annotations
 
+from parallel.megatron_compat import bootstrap
+
+bootstrap()  # before megatron-core's first import
+
 import argparse
 import json
 import os

@@ -4,6 +4,7 @@ megatron-core upgrade shows which fix to re-check."""
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import gc
 import os
@@ -783,30 +784,70 @@ def test_te_checkpoint_runs_its_function_under_the_micro_batch_of_its_forward():
 
 # --- megatron's jit_fuser, plain without CUDA (jit_fusers.py) ----------------------------------
 
-PROJECT_PACKAGES = ("checkpointing", "data_pipeline", "model_providers", "parallel", "planner", "pretrain")
+#: entry modules that never import megatron-core (so need no bootstrap), and why
+NO_MEGATRON = {
+    "pretrain/torchrun.py": "launches the ranks; imports torch.distributed.run only",
+    "data_pipeline/samples/sandbox.py": "runs a sample's code in a subprocess",
+    "model_providers/glm5/model/dsa/kernels/dsa_cpu.py": "builds the fused CPU kernel",
+    "benchmarks/gpu_check/wheelhouse.py": "gathers wheels (a machine with an index)",
+    "benchmarks/gpu_check/node.py": "installs the wheels on a GPU node, before the project can import",
+}
 
 
-def test_every_package_importing_megatron_installs_the_plain_jit_fuser_first():
-    """Each module that imports megatron-core on import lives in a package whose ``__init__``
-    imports ``parallel.megatron_compat`` (which installs :mod:`.jit_fusers`' finder before anything
-    else): a new module cannot bring megatron in ahead of it."""
-    import ast
+def _entry_modules(root) -> list:
+    """Every module a process starts in: ``__main__.py``, modules run as ``__main__``, the tests'
+    conftest, the async checkpoint writer's."""
+    found = [root / "tests" / "conftest.py", root / "parallel" / "megatron_compat" / "async_writer.py"]
+    for path in sorted(root.rglob("*.py")):
+        rel = str(path.relative_to(root))
+        if rel.startswith((".venv", "build")) or rel in NO_MEGATRON:
+            continue
+        if path.name == "__main__.py" or any(_runs_as_main(n) for n in ast.parse(path.read_text()).body):
+            found.append(path)
+    return found
+
+
+def _runs_as_main(node) -> bool:
+    """``if __name__ == "__main__":`` at module level."""
+    test = getattr(node, "test", None) if isinstance(node, ast.If) else None
+    return (isinstance(test, ast.Compare) and getattr(test.left, "id", None) == "__name__"
+            and any(getattr(c, "value", None) == "__main__" for c in test.comparators))
+
+
+def test_every_entry_point_bootstraps_before_its_first_import():
+    """Each module a process starts in calls ``parallel.megatron_compat.bootstrap()`` before any
+    import but the standard library's (and ``__future__``): megatron cannot come in ahead of
+    :mod:`.jit_fusers`, whatever those imports bring. No package ``__init__`` imports
+    ``megatron_compat`` for its side effects; the exempt entry modules never import megatron."""
     from pathlib import Path
 
     root = Path(megatron_compat.__file__).parents[2]
     late = []
-    for package in PROJECT_PACKAGES:
+    for path in _entry_modules(root):
+        body = ast.parse(path.read_text()).body
+        call = next((i for i, n in enumerate(body) if isinstance(n, ast.Expr) and isinstance(n.value, ast.Call)
+                     and getattr(n.value.func, "id", None) == "bootstrap"), None)
+        before = body[:call] if call is not None else body
+        project = [n for n in before if isinstance(n, (ast.Import, ast.ImportFrom))
+                   and not _stdlib(n) and getattr(n, "module", None) != "parallel.megatron_compat"]
+        if call is None or project:
+            late.append(str(path.relative_to(root)))
+    assert len(_entry_modules(root)) > 25 and not late, f"entry modules importing before bootstrap(): {late}"
+    for package in ("checkpointing", "data_pipeline", "model_providers", "parallel", "planner", "pretrain"):
         init = ast.parse((root / package / "__init__.py").read_text())
-        first = {a.name for node in init.body if isinstance(node, ast.Import) for a in node.names}
-        for path in (root / package).rglob("*.py"):
-            tree = ast.parse(path.read_text())
-            imports_megatron = any(
-                (isinstance(n, ast.ImportFrom) and (n.module or "").startswith("megatron"))
-                or (isinstance(n, ast.Import) and any(a.name.startswith("megatron") for a in n.names))
-                for n in tree.body)
-            if imports_megatron and "parallel.megatron_compat" not in first:
-                late.append(str(path.relative_to(root)))
-    assert not late, f"megatron imported before parallel.megatron_compat can install jit_fusers: {late}"
+        assert not [n for n in ast.walk(init) if isinstance(n, (ast.Import, ast.ImportFrom))
+                    and any("megatron" in name for name in _imported(n))], package
+    for rel in NO_MEGATRON:
+        assert not [n for n in ast.walk(ast.parse((root / rel).read_text())) if isinstance(n, (ast.Import, ast.ImportFrom))
+                    and any(name.startswith("megatron") for name in _imported(n))], rel
+
+
+def _imported(node) -> list:
+    return [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+
+
+def _stdlib(node) -> bool:
+    return all(n.split(".")[0] in sys.stdlib_module_names for n in _imported(node))
 
 
 @pytest.mark.parametrize("cuda, version, plain", [(False, "0.19.2", True), (True, "0.19.2", False),
