@@ -3,6 +3,10 @@ package docstring)."""
 
 from __future__ import annotations
 
+from parallel.megatron_compat import bootstrap
+
+bootstrap()  # before megatron-core's first import
+
 import argparse
 import datetime
 import importlib
@@ -38,7 +42,9 @@ def _fmt(v, spec=".3g"):
 def table(report: dict) -> str:
     env = report["environment"]
     lines = [f"environment: torch {env['torch']}, CUDA {env['cuda_runtime']}, triton {env['triton']}, "
-             f"TE {env['transformer_engine']}, megatron-core {env['megatron_core']}, GPU {env['gpu']}",
+             f"TE {env['transformer_engine']} (supported {env['transformer_engine_range']}: "
+             f"{ {True: 'yes', False: 'NO', None: '-'}[env['transformer_engine_in_range']]}), megatron-core {env['megatron_core']}, "
+             f"GPU {env['gpu']}, container {_fmt(env['container'])}",
              f"{'part':<26} {'ok':<4} details"]
     skipped = [n for n, r in report.items() if isinstance(r, dict) and r.get("skipped", "").startswith("budget")]
     for name, r in report.items():

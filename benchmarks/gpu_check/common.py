@@ -18,6 +18,28 @@ TOL = {"cuda": {"sparse_mla": 3e-3, "indexer_fp8": 1e-3, "indexer_bf16": 2e-3, "
                "document_attention": 1e-5}}
 
 
+#: the Transformer Engine releases megatron-core 0.19.2 is used with here: pyproject.toml's ``gpu``
+#: extra (docs/gpus.md says where the bounds come from)
+TE_RANGE = ">=2.14,<2.19"
+
+
+def container() -> "str | None":
+    """The NGC PyTorch image this runs in (its images set ``NVIDIA_PYTORCH_VERSION``), or None."""
+    release = os.environ.get("NVIDIA_PYTORCH_VERSION")
+    return f"nvcr.io/nvidia/pytorch:{release}-py3" if release else None
+
+
+def te_in_range(version: str) -> "bool | None":
+    """Whether an installed Transformer Engine is in :data:`TE_RANGE` (None: none imports)."""
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        return Version(version) in SpecifierSet(TE_RANGE, prereleases=True)
+    except InvalidVersion:
+        return None
+
+
 def _version(module: str):
     try:
         return getattr(importlib.import_module(module), "__version__", "present")
@@ -30,7 +52,9 @@ def environment(device: str) -> dict:
            "cuda_runtime": torch.version.cuda, "device": device,
            "triton": _version("triton"), "transformer_engine": _version("transformer_engine"),
            "megatron_core": _version("megatron.core"), "apex": _version("apex"),
-           "triton_interpret": os.environ.get("TRITON_INTERPRET") == "1"}
+           "triton_interpret": os.environ.get("TRITON_INTERPRET") == "1", "container": container()}
+    env["transformer_engine_range"] = TE_RANGE
+    env["transformer_engine_in_range"] = te_in_range(env["transformer_engine"])
     if device == "cuda":
         props = torch.cuda.get_device_properties(0)
         env.update(gpu=props.name, capability=list(torch.cuda.get_device_capability(0)),

@@ -11,6 +11,8 @@ import math
 import subprocess
 import sys
 import time
+import tomllib
+from pathlib import Path
 
 import pytest
 
@@ -52,6 +54,10 @@ def test_gpu_check_runs_on_cpu(tmp_path):
     assert report["finished"] and not list(tmp_path.glob("gpu.json.tmp*"))
     env = report["environment"]
     assert report["ok"] and env["device"] == "cpu" and env["triton_interpret"], env
+    # the TE range it checks is the gpu extra's; no NGC image here, no TE
+    extra = tomllib.loads((Path(REPO) / "pyproject.toml").read_text())["project"]["optional-dependencies"]["gpu"]
+    assert extra == [f"transformer-engine[pytorch]{env['transformer_engine_range']}"], (extra, env)
+    assert env["container"] is None and env["transformer_engine_in_range"] is None, env
     for part in PARTS:
         assert report[part]["ok"] is True and "error" not in report[part], (part, report[part])
     for run in ("tiny_dense", "tiny_warmup", "tiny_sparse"):
@@ -111,3 +117,17 @@ def test_slice_fits_an_h100_with_a_tenth_free():
         assert p["gpu_memory_gib"] == 79.6
         assert p["peak_memory_gib"] <= SLICE_MEMORY_SHARE * p["gpu_memory_gib"], (backend, p)
         assert p["peak_memory_gib"] > 40, p  # the real-width slice: the logits alone take 30 GiB
+
+
+def test_the_image_and_whether_its_te_is_supported_are_recorded(monkeypatch):
+    """An NGC image names itself (``NVIDIA_PYTORCH_VERSION``); a TE outside the supported range
+    (megatron-core 0.19.2's lock is 2.18.0, its grouped-MLP paths need 2.14) is flagged."""
+    from benchmarks.gpu_check.common import container, te_in_range
+
+    monkeypatch.setenv("NVIDIA_PYTORCH_VERSION", "26.06")
+    assert container() == "nvcr.io/nvidia/pytorch:26.06-py3"
+    monkeypatch.delenv("NVIDIA_PYTORCH_VERSION")
+    assert container() is None
+    assert [te_in_range(v) for v in ("2.18.0+27486e03", "2.14.0", "2.9.0", "2.19.0", "2.13.1")] == [
+        True, True, False, False, False]
+    assert te_in_range("unavailable (ModuleNotFoundError)") is None
