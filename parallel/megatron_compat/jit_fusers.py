@@ -46,12 +46,11 @@ class _PlainJitFuserFinder(importlib.abc.MetaPathFinder):
 
 def _plain_without_cuda(jit) -> None:
     import torch
-    from megatron.core import package_info
 
-    from parallel.megatron_compat.version import MEGATRON_CORE_VERSION
+    from parallel.megatron_compat.version import MEGATRON_CORE_VERSION, installed_release
 
     # another release may bind the decorator differently: leave it (cpu_emulation refuses it)
-    if not torch.cuda.is_available() and package_info.__version__ == MEGATRON_CORE_VERSION:
+    if not torch.cuda.is_available() and installed_release() == MEGATRON_CORE_VERSION:
         jit.disable_jit_fuser()
 
 
