@@ -22,8 +22,10 @@ MAY_IMPORT = {
 }
 #: (importing module, imported module) -> why it is allowed for now
 EXCEPTIONS = {
-    ("data_pipeline", "parallel.megatron_compat"):
-        "its jit_fusers install must precede megatron's import (an explicit bootstrap(): issue 57)",
+    ("data_pipeline.prepare", "parallel.megatron_compat"):
+        "an entry point: its bootstrap() precedes megatron's import",
+    ("data_pipeline.preprocess", "parallel.megatron_compat"):
+        "an entry point: its bootstrap() precedes megatron's import",
     ("data_pipeline.prepare", "pretrain.data_prep"):
         "python -m data_pipeline.prepare is an entry point: it prepares a run's stages",
     ("model_providers.glm5.hf.cli", "pretrain.config.numbers"):
