@@ -21,12 +21,33 @@ parameter.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
 
 from parallel.megatron_compat import meta_rank
+
+
+#: megatron-core 0.19.2's loggers that warn at every model build: GPTModel's deprecation in favour
+#: of HybridModel, DDP computing its own parameter layout. A training run says each once per stage;
+#: a plan builds dozens of ranks, and those lines were half of its output.
+BUILD_WARNINGS = ("megatron.core.models.gpt.gpt_model", "megatron.core.distributed.distributed_data_parallel")
+
+
+@contextlib.contextmanager
+def _without_build_warnings():
+    loggers = [logging.getLogger(name) for name in BUILD_WARNINGS]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
 
 
 @dataclass
@@ -89,7 +110,7 @@ def build_rank(rc, layout, pp_rank: int, trainable: Optional[Sequence[str]] = ()
     from pretrain.stage import restrict_trainable, wrap_ddp
 
     tcfg = transformer_config(rc)
-    with rank_position(rc.parallel, layout, pp_rank), torch.device("meta"):
+    with rank_position(rc.parallel, layout, pp_rank), torch.device("meta"), _without_build_warnings():
         chunks = build_model_chunks(rc.model, tcfg, "local")
         restrict_trainable(chunks, list(trainable or ()))
         names = {p: n for c in chunks for n, p in c.named_parameters()}
