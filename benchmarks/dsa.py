@@ -1,7 +1,7 @@
 """One attention layer, forward + backward (indexer KL included), fp32, batch 1: our DSA in
 sparse and warm-up mode against dense causal SDPA (our layer in dense mode; the warm-up as the
 model runs it: the frozen layer without autograd, backward only of the indexer's KL), with a per-component
-breakdown of where DSA's time goes, and optionally megatron-core 0.16.1's DSAttention. 16 heads,
+breakdown of where DSA's time goes, and optionally megatron-core 0.19.2's DSAttention. 16 heads,
 qk 192 + 64, v 256, q/kv LoRA 512, indexer 8 x 128, hidden 512, top-k 2048. Each (variant, L)
 runs in its own process so peak RSS is its own.
 

@@ -24,7 +24,7 @@ from checkpointing.dist_io import CheckpointFileError
 
 _DCP = "torch.distributed.checkpoint"
 #: (module, name) of every class or function a DCP metadata pickle may name (torch 2.13; megatron
-#: 0.16.1's torch_dist writes the same): the metadata dataclasses, the save plans kept in
+#: 0.16.1's and 0.19.2's torch_dist write the same): the metadata dataclasses, the save plans kept in
 #: ``all_local_plans``, the storage info, torch.Size, the layout lookup and the checkpoint id
 #: (a path, when the writer was given one: the HF import's)
 ALLOWED = frozenset({

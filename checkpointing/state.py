@@ -31,7 +31,7 @@ from checkpointing.files import (  # noqa: F401 -- what a checkpoint is on disk,
 #: how the distributed optimizer's state is stored. ``dp_reshardable`` (megatron's): each rank
 #: writes and reads only its own shard of the optimizer's flat buffers, with no gather and no
 #: exchange; a checkpoint in it loads at another data-parallel size but only with the same
-#: model-parallel layout (:func:`optimizer_layout_problem`). megatron-core 0.16.1's
+#: model-parallel layout (:func:`optimizer_layout_problem`). megatron-core 0.19.2's
 #: ``fully_sharded_model_space`` would reshard anywhere but is no longer supported there
 #: (``ShardedTensor.flattened_range is not supported``).
 OPTIMIZER_FORMAT = "dp_reshardable"

@@ -28,7 +28,7 @@ class ParallelConfig:
     #: stage) holds, e.g. ``Et|(tt|)*30mL`` (E embedding, t decoder layer, m MTP, L loss and
     #: output heads; ``|`` ends a stage; stages in model order). Replaces first/last_stage_layers.
     pipeline_layout: Optional[str] = None
-    # Speed features. Names are megatron-core 0.16.1's (ModelParallelConfig / TransformerConfig /
+    # Speed features. Names are megatron-core 0.19.2's (ModelParallelConfig / TransformerConfig /
     # DistributedDataParallelConfig); all off by default (the CPU runs), the GPU cluster presets
     # (conf/parallel/*gpu.yaml) turn on what Megatron's own recipes do. What this machine lacks
     # (CUDA, Transformer Engine, DeepEP) is refused at run time, never when planning.

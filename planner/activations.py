@@ -13,7 +13,7 @@ sequence parallelism the residual stream (norms, residual adds, router, down-pro
 heads and widths; under CP the keys and values are the whole gathered sequence (the all-gather
 CP of ``GLM5MLASelfAttention``).
 
-Recomputation is megatron-core 0.16.1's. ``selective`` drops what ``recompute_modules`` names --
+Recomputation is megatron-core 0.19.2's. ``selective`` drops what ``recompute_modules`` names --
 ``core_attn`` the core attention's internals, ``mla_up_proj`` q, k, v and their RoPE (under CP
 the gathered keys and values stay), ``layernorm`` the two layer norms' outputs, ``mlp`` dense
 FFNs, ``moe`` the MoE block but its routing metadata, ``moe_act`` the experts' activation

@@ -1,7 +1,7 @@
 """What a checkpoint costs: bytes each rank writes, host RAM while saving, time training stops, time
 until the save is on disk, one load, and the save interval (docs/planner.md "Checkpoints").
 
-Two formats are modelled, both megatron-core 0.16.1 dist checkpointing (torch_dist backend) as
+Two formats are modelled, both megatron-core 0.19.2 dist checkpointing (torch_dist backend) as
 ``checkpointing/`` writes them (``checkpointing.state``):
 
 - ``dp_reshardable`` (``OPTIMIZER_FORMAT``, every save): saved through
@@ -14,7 +14,8 @@ Two formats are modelled, both megatron-core 0.16.1 dist checkpointing (torch_di
   DDP buckets (``get_parameter_state_dp_reshardable``: per stepped element the main parameter and
   both moments; padding between parameters too, < 64 elements each). With
   ``checkpoint.async_save`` the step loop stops only to copy this rank's write share to pinned
-  host memory (``FileSystemWriterAsync.preload_tensors``); a forked process writes it.
+  host memory (``FileSystemWriterAsync.preload_tensors``); the spawned writer process
+  (``parallel.megatron_compat.async_writer``) writes it.
 - ``model_space_shards`` (``RESHARDABLE_OPTIMIZER_FORMAT``: a stage's final save where the next
   stage carries the optimizer state into another model-parallel layout;
   ``parallel.megatron_compat.model_space_shards``): each rank writes its own distributed-optimizer
@@ -28,9 +29,9 @@ Two formats are modelled, both megatron-core 0.16.1 dist checkpointing (torch_di
   (``get_parameter_state_dp_zero(return_on_all_ranks=True)``: param, exp_avg, exp_avg_sq, 12 B per
   element); the main replica (DP x CP rank 0 for dense tensors, expert-DP rank 0 for experts)
   writes the whole shard, synchronously, cloning the slices of the gathered tensors it writes
-  (views: ``_clone_if_needed``) and staging them again (``STAGING_COPIES_HOST_TENSORS``); a load
-  reads the whole shard's state on every rank (no fully parallel load). Kept to show what the
-  per-rank format saves.
+  (views: ``_clone_or_dequantize_if_needed``) and staging them again
+  (``STAGING_COPIES_HOST_TENSORS``); a load reads the whole shard's state on every rank (no fully
+  parallel load). Kept to show what the per-rank format saves.
 
 Bytes per stepped element in the checkpoint (``optimizer_bytes_per_element``): the moments are
 always fp32 -- bf16 moments (``optimizer.exp_avg_dtype``, megatron's precision-aware optimizer,
@@ -53,7 +54,7 @@ GIB = 2 ** 30
 FP32 = 4
 
 #: the main parameter of a bf16 parameter stepped by megatron's precision-aware optimizer is kept
-#: (and saved) as int16 remainders: megatron-core 0.16.1's OptimizerConfig.store_param_remainders
+#: (and saved) as int16 remainders: megatron-core 0.19.2's OptimizerConfig.store_param_remainders
 #: default, effective with Transformer Engine >= 2.1
 STORE_PARAM_REMAINDERS = True
 #: the staging of a save copies tensors already in host memory too

@@ -66,12 +66,13 @@ FP8_RECIPE_RATE = {"delayed": 1.0, "blockwise": 330 / 338, "mxfp8": 29388 / 2999
 
 #: HBM passes per token of one layer's element-wise work, forward + backward: (unfused, fused,
 #: the parallel switch that fuses it; None: never fused in this pipeline). A pass moves one value
-#: of the op's width once (read or write). Unfused: megatron-core 0.16.1's torch ops, each
-#: reading its inputs and writing its output; fused: one kernel each way. Widths (values per
-#: token): norms 2h + q_lora + kv_lora; residual adds 2h; RoPE the queries and keys,
-#: 2 n (qk_nope + qk_rope); SwiGLU the FFN width (dense ffn; shared experts; routed: top-k x
-#: moe_ffn); the router fp32 scores over the experts; permutes top-k x h; cross entropy fp32
-#: logits over the vocabulary, per output head.
+#: of the op's width once (read or write). Unfused: megatron-core's torch ops as counted on
+#: 0.16.1 (0.19.2's router keeps fp32 to its end and its permute sorts with argsort: not
+#: recounted), each reading its inputs and writing its output; fused: one kernel each way.
+#: Widths (values per token): norms 2h + q_lora + kv_lora; residual adds 2h; RoPE the queries
+#: and keys, 2 n (qk_nope + qk_rope); SwiGLU the FFN width (dense ffn; shared experts; routed:
+#: top-k x moe_ffn); the router fp32 scores over the experts; permutes top-k x h; cross entropy
+#: fp32 logits over the vocabulary, per output head.
 ELEMENTWISE = {
     "norms": (5, 5, None),  # Transformer Engine's RMSNorm: read x, write y; read x, dy, write dx
     "residual": (6, 6, None),  # add: read 2, write 1; its gradient: read 2, write 1

@@ -27,7 +27,7 @@ megatron-core's internals, in one package.
   the writer process).
 - ``model_space_shards.py``: the distributed optimizer's state as each rank's own boxes of the
   parameters' global tensors, the format of a stage's final checkpoint into another layout
-  (megatron's own gathers, or needs the flattened ranges 0.16.1 refuses).
+  (megatron's own gathers, or needs the flattened ranges 0.19.2 refuses, as 0.16.1 did).
 - ``meta_rank.py``: megatron's private ``parallel_state`` globals, ``torch.distributed``'s default
   group and ``torch.cuda.current_device`` as one rank of a layout sees them, without process
   groups, for the planner's meta builds (restored on exit).

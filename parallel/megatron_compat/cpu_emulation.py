@@ -1,4 +1,4 @@
-"""Run megatron-core 0.16.1's real parallel code on CPU ranks (gloo).
+"""Run megatron-core 0.19.2's real parallel code on CPU ranks (gloo).
 
 megatron-core assumes CUDA everywhere. Everything that makes it run without CUDA lives here, one
 patch per behaviour (see docs/cpu_ranks.md), and is installed only when CUDA is

@@ -77,7 +77,8 @@ def _replicated_mla_down_projections_without_transformer_engine() -> None:
     share of the k_rope gradient (MLA gathers k_rope along the hidden dim, whose backward is a
     split, not a sum), so the local spec keeps modelopt's replicated ``Linear``, as TE's
     duplicated ``TELinear`` does: the module-level name is set back to it. (0.16.1's TE probes,
-    ``HAVE_TE`` and ``te_general_gemm``, are fixed upstream: both are None without TE.)"""
+    MLA's ``HAVE_TE`` and ``moe_utils``' ``te_general_gemm``, are fixed upstream: without TE
+    0.19.2's ``HAVE_TE`` is False, ``TELinear`` and ``te_general_gemm`` are None.)"""
     from megatron.core.post_training.modelopt.layers import Linear
     from megatron.core.transformer import multi_latent_attention
 

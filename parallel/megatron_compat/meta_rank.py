@@ -1,7 +1,7 @@
 """megatron-core's global parallel state as one rank of a layout sees it, without process groups:
 what a meta-device build of that rank (the planner's, ``planner.meta_build``) needs.
 
-megatron-core 0.16.1 sizes a layer from the process group it is handed (``group.size()``, under
+megatron-core 0.19.2 sizes a layer from the process group it is handed (``group.size()``, under
 ``torch.distributed.is_initialized()``), and reads those groups from ``parallel_state``'s private
 module globals. :func:`rank_position` fills those globals with stand-in groups that only know their
 size and this rank's index (:class:`SizedGroup`), gives ``torch.distributed`` a stand-in default

@@ -1,10 +1,11 @@
 """The micro-batch the model is computing: the one object through which modules deep inside
 megatron-core's forward learn what megatron does not pass them.
 
-megatron-core 0.16.1 hands a layer, from ``GPTModel.forward`` down to the core attention and the
+megatron-core 0.19.2 hands a layer, from ``GPTModel.forward`` down to the core attention and the
 MTP shifts, only what it knows: tensors (``attention_mask``, which its full recomputation saves
 with ``save_for_backward``, so only a tensor travels there) and ``packed_seq_params`` (which
-switches megatron to its THD code paths). Three things have no slot:
+switches megatron to its THD code paths); MLA's ``core_attention_extra_kwargs`` carry only
+megatron's own DSA inputs (``x``, ``qr``). Three things have no slot:
 
 - the host copy of the document ids (the dense attention plans its blocks on the host; the data
   loader has them there, so no device sync is needed): :meth:`MicroBatch.host_document_ids`;

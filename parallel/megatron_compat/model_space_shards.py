@@ -2,19 +2,19 @@
 share: the format of a stage's final checkpoint where the next stage changes the model-parallel
 layout.
 
-megatron-core 0.16.1's ``DistributedOptimizer`` has two formats that load into another layout:
+megatron-core 0.19.2's ``DistributedOptimizer`` has two formats that load into another layout:
 
 - ``fully_reshardable``: to save, every data-parallel rank all-gathers the whole optimizer state
   of its model shard into host memory (GLM-5 on 512 H200s: about 120 GiB per rank);
 - ``fully_sharded_model_space``: each rank maps its flat shard onto the model parameters through
-  ``ShardedTensor.flattened_range``, which 0.16.1's ``ShardedTensor`` no longer accepts
+  ``ShardedTensor.flattened_range``, which ``ShardedTensor`` no longer accepts (0.16.1, 0.19.2)
   ("flattened_range is not supported").
 
 This is the second one without flattened ranges. A rank's shard of a parameter is a contiguous
 range of the parameter's local (tensor/expert-parallel) tensor in row-major order. It is cut into
 boxes (:func:`boxes`: at most ``2 * ndim - 1``), each itself a contiguous range of that order, so
 each box is a view of the shard and a plain ``ShardedTensor`` of the parameter's global tensor
-with no sharding grid (``axis_fragmentations=None``). megatron 0.16.1 hands such uneven shards to
+with no sharding grid (``axis_fragmentations=None``). megatron 0.19.2 hands such uneven shards to
 torch's distributed checkpoint, which stores any chunks and reads any region of them. The keys
 are the ones ``fully_reshardable`` uses (``optimizer.state.<state>.<parameter key>``, ``fp32_param``
 for the main parameter). A load asks for the boxes of the new layout's shards, and DCP reads
@@ -38,7 +38,7 @@ import torch
 from parallel.megatron_compat.version import check_megatron_core
 
 FORMAT = "model_space_shards"  #: this format's name in a checkpoint's common state
-#: the ``param_state_sharding_type`` whose loader megatron-core 0.16.1 still has for this structure
+#: the ``param_state_sharding_type`` whose loader megatron-core 0.19.2 still has for this structure
 MEGATRON_SHARDING_TYPE = "fully_sharded_model_space"
 PREFIX = "optimizer.state"
 

@@ -77,7 +77,7 @@ def install() -> None:
 def set_mtp_block_class(model, block_class) -> None:
     """Give the MTP block ``GPTModel`` built another forward.
 
-    megatron-core 0.16.1 has no extension point for the block: ``GPTModel.__init__`` constructs
+    megatron-core 0.19.2 has no extension point for the block: ``GPTModel.__init__`` constructs
     ``MultiTokenPredictionBlock`` by name (its ``mtp_block_spec`` contributes only the layer
     specs; a ``ModuleSpec`` naming a subclass is accepted and its module ignored). Building a
     second block would allocate its layer twice and draw other initial weights, so the built
@@ -90,7 +90,7 @@ def set_mtp_block_class(model, block_class) -> None:
                         "its own __init__ (it takes over a block megatron already built)")
     if type(model.mtp) is not MultiTokenPredictionBlock:
         raise TypeError(f"model.mtp is a {type(model.mtp).__name__}, not the "
-                        "MultiTokenPredictionBlock megatron-core 0.16.1's GPTModel builds")
+                        "MultiTokenPredictionBlock megatron-core's GPTModel builds")
     model.mtp.__class__ = block_class
 
 
@@ -98,14 +98,15 @@ def config_with_mtp_depths(config, depths: int):
     """The model's own copy of its megatron config, counting ``depths`` MTP depths where the
     modules' config counts one MTP layer.
 
-    megatron-core 0.16.1 reads ``mtp_num_layers`` as two things: the number of MTP layers (its
+    megatron-core 0.19.2 reads ``mtp_num_layers`` as two things: the number of MTP layers (its
     validation -- the EP all-to-all overlap allows one --, the pipeline layout, the layers
     built, the per-layer schedule plans, all reading the layers' config) and, in
-    ``GPTModel._postprocess`` alone, the number of depths (the chunks of the MTP block's output,
-    one loss each, the loss scale ``mtp_loss_scaling_factor / depths``). A model with one layer
-    applied at several depths needs the two apart: the copy is ``GPTModel``'s ``self.config``
-    only, which elsewhere is read for ``mtp_num_layers`` as a flag (finalize_model_grads, the
-    schedules' MTP loss scale, the embedding sync, the EP-overlap post-process node)."""
+    ``GPTModel._postprocess`` alone (``process_mtp_loss``, handed ``GPTModel``'s config), the
+    number of depths (the chunks of the MTP block's output, one loss each, the loss scale
+    ``mtp_loss_scaling_factor / depths``). A model with one layer applied at several depths
+    needs the two apart: the copy is ``GPTModel``'s ``self.config`` only, which elsewhere is
+    read for ``mtp_num_layers`` as a flag (finalize_model_grads, the schedules' MTP loss scale,
+    the embedding sync, the EP-overlap post-process node)."""
     import copy
 
     from parallel.megatron_compat.version import check_megatron_core

@@ -2,11 +2,13 @@
 ``DistributedOptimizer``) as seen by an optimizer that takes the place of their inner torch
 optimizer (Muon: ``pretrain.optim.build``).
 
-megatron-core 0.16.1 has no public way to choose the inner optimizer per parameter group, nor to
-ask a wrapper which parameter it steps for which model parameter or which part of a distributed
-buffer this rank owns: those are wrapper attributes (``model_fp32_groups``, ``shard_fp32_groups``,
-``float16_groups``..., ``buffers[].param_index_map``, ``_get_model_param_range_map``). They are
-read here only:
+megatron-core 0.19.2 chooses an optimizer per parameter group only on its emerging-optimizer path
+(``ParamGroupOverride.optimizer``; its Muon groups go to ``LayerWiseDistributedOptimizer`` or the
+non-distributed wrappers, never into a ``DistributedOptimizer``), and has no public way to put
+another inner optimizer into a wrapper, nor to ask a wrapper which parameter it steps for which
+model parameter or which part of a distributed buffer this rank owns: those are wrapper attributes
+(``model_fp32_groups``, ``shard_fp32_groups``, ``float16_groups``..., ``buffers[].param_index_map``,
+``_get_model_param_range_map``). They are read here only:
 
 - :func:`main_params`: (model parameter, parameter the inner optimizer steps) pairs;
 - :func:`is_distributed`, :func:`buffer_order`, :func:`owned_range`, :func:`data_parallel_group`,

@@ -1,7 +1,8 @@
 """The tensor-parallel split of every linear layer's parameters, written onto them from what the
-layer is, so that the TP attributes mean the same under every layer backend: a correction of the
-marks megatron-core 0.16.1's Transformer Engine layers leave (called by the model provider on
-every chunk it builds; refuses another megatron-core release, whose classes it names).
+layer is, so that the TP attributes mean the same under every layer backend: written as a
+correction of the marks megatron-core 0.16.1's Transformer Engine layers left, kept on 0.19.2 as a
+guard (called by the model provider on every chunk it builds; refuses another megatron-core
+release, whose classes it names).
 
 Muon gathers a TP-sharded matrix along ``partition_dim`` before orthogonalising it
 (``pretrain.optim.matrices``), and megatron's grad norm counts a gradient on every TP rank only
@@ -11,8 +12,12 @@ rank 0 only. megatron's local layers set these attributes right. Transformer Eng
 ``partition_dim = 1 if their TE parallel_mode == "row" else 0``, and megatron hands TE
 parallel_mode None both for a ``"duplicated"`` (replicated) ``TELinear`` (MLA's q/kv
 down-projections) and for expert layers whose TP/EP communication it does itself (expert TP or EP
-> 1): replicated weights then read as split along dim 0 (Muon would orthogonalise [A; A], the
-grad norm counts them TP times) and row-parallel expert fc2 as split along dim 0 instead of 1.
+> 1). On 0.16.1 replicated weights then read as split along dim 0 (Muon would orthogonalise
+[A; A], the grad norm counted them TP times) and row-parallel expert fc2 as split along dim 0
+instead of 1. megatron-core 0.19.2 re-marks them after TE's init (a duplicated ``TELinear``'s
+parameters ``tensor_model_parallel=False``; expert layers from their own parallel mode,
+``_set_expert_parameter_attributes``), but leaves TE's ``partition_dim`` 0 on the duplicated
+weights, where this sets -1.
 
 The layout is therefore taken from the module's class (megatron's local and TE wrapper classes,
 matched by qualified name through the class hierarchy because TE is optional), and for a bare
@@ -33,7 +38,7 @@ replicated: nothing split                                  ``TELinear`` with par
 
 Only parameters named ``weight``/``bias`` (``weight0``... for grouped GEMMs) are touched;
 ``partition_stride`` is kept for split ones. Modules of other classes (embeddings, norms, the
-router, megatron's legacy ``GroupedMLP``) keep megatron's own attributes.
+router) keep megatron's own attributes.
 """
 
 from __future__ import annotations

@@ -96,7 +96,7 @@ def build_scheduler(optimizer, opt: OptimizerConfig, sched: SchedulerConfig, ste
 
 
 def check_moments(opt: OptimizerConfig, distributed: bool) -> list[str]:
-    """megatron-core 0.16.1's conditions on the moments' dtypes."""
+    """megatron-core 0.19.2's conditions on the moments' dtypes (the same as 0.16.1's)."""
     p = [f"optimizer.{name}={getattr(opt, name)!r} must be fp32 or bf16"
          for name in ("exp_avg_dtype", "exp_avg_sq_dtype") if getattr(opt, name) not in ("fp32", "bf16")]
     if p or opt.exp_avg_dtype == opt.exp_avg_sq_dtype == "fp32":

@@ -1,7 +1,7 @@
 """Local <-> Transformer Engine tensor names (``checkpointing/backend_keys.py``).
 
 TE cannot be built here, so the TE key set is derived from the spec structure (``specs.py`` +
-megatron-core 0.16.1's TE modules) and checked on every key of the tiny model's local state
+megatron-core 0.19.2's TE modules) and checked on every key of the tiny model's local state
 dict, sharded state dict and checkpoint, and on the full GLM-5 naming (3 dense + 75 MoE layers,
 256 experts, MTP): the round trip is the identity, the TE names of each renamed family are the
 expected ones, and checkpoints cross backends through ``checkpointing.state.load`` and the HF

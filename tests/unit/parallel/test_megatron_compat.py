@@ -220,7 +220,7 @@ def test_distributed_optimizer_state_load_keeps_torch_adam_step():
     assert torch.equal(state["exp_avg"], loaded["exp_avg"]) and torch.equal(state["exp_avg_sq"], loaded["exp_avg_sq"])
     assert state["step"] is step and float(step) == 1
     original = DistributedOptimizer._set_main_param_and_optimizer_states.__wrapped__
-    with pytest.raises(KeyError, match="step"), torch.no_grad():  # megatron-core 0.16.1 unpatched
+    with pytest.raises(KeyError, match="step"), torch.no_grad():  # megatron-core 0.19.2 unpatched
         original(opt, "model_param", loaded)
 
 
