@@ -41,9 +41,10 @@ def _fmt(v, spec=".3g"):
 
 def table(report: dict) -> str:
     env = report["environment"]
+    te_ok = {True: "yes", False: "NO", None: "-"}[env["transformer_engine_in_range"]]
     lines = [f"environment: torch {env['torch']}, CUDA {env['cuda_runtime']}, triton {env['triton']}, "
-             f"TE {env['transformer_engine']} (supported {env['transformer_engine_range']}: "
-             f"{ {True: 'yes', False: 'NO', None: '-'}[env['transformer_engine_in_range']]}), megatron-core {env['megatron_core']}, "
+             f"TE {env['transformer_engine']} (supported {env['transformer_engine_range']}: {te_ok}), "
+             f"megatron-core {env['megatron_core']}, "
              f"GPU {env['gpu']}, container {_fmt(env['container'])}",
              f"{'part':<26} {'ok':<4} details"]
     skipped = [n for n, r in report.items() if isinstance(r, dict) and r.get("skipped", "").startswith("budget")]

@@ -44,7 +44,8 @@ from parallel.megatron_compat import bootstrap
 bootstrap()  # the writer process imports this module first (writer_main); a no-op in a training process
 
 import torch  # noqa: E402
-from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCaller, AsyncCallsQueue, AsyncRequest  # noqa: E402
+from megatron.core.dist_checkpointing.strategies.async_utils import (  # noqa: E402
+    AsyncCaller, AsyncCallsQueue, AsyncRequest)
 
 from parallel.megatron_compat import bucket_writes
 from parallel.megatron_compat.version import check_megatron_core

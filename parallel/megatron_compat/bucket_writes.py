@@ -36,6 +36,11 @@ class FailedBucket(list):
         return FailedBucket, (self.error,)
 
 
+def _kept(outcome):
+    """A bucket's outcome with an exception kept as a :class:`FailedBucket`."""
+    return FailedBucket(outcome) if isinstance(outcome, BaseException) else outcome
+
+
 def _first_failure(outcome):
     """The exception of a failed bucket in a writer's outcome (a dict bucket -> results), or None."""
     if isinstance(outcome, dict):
@@ -61,7 +66,7 @@ def install() -> None:
         index, outcome = write_one_bucket(transform_list, local_proc_idx=local_proc_idx, write_bucket=write_bucket,
                                           results_queue=relay, count_queue=count_queue, use_fsync=use_fsync,
                                           **kwargs)  # by name, as megatron calls it
-        return index, FailedBucket(outcome) if isinstance(outcome, BaseException) else outcome
+        return index, _kept(outcome)
 
     @functools.wraps(retrieve)
     def retrieve_write_results(self):
@@ -89,4 +94,4 @@ class _Relay:
 
     def put(self, item) -> None:
         index, outcome = item
-        self.results_queue.put((index, FailedBucket(outcome) if isinstance(outcome, BaseException) else outcome))
+        self.results_queue.put((index, _kept(outcome)))

@@ -3,8 +3,9 @@ under their micro-batch, and the one shared MTP layer is planned once per depth.
 
 With ``overlap_moe_expert_parallel_comm`` megatron-core 0.19.2's combined 1F1B schedule does not
 call the model's forward: the forward step returns ``GPTModel.build_schedule_plan(...)``, a
-``TransformerModelChunkSchedulePlan`` whose nodes (pre-process, per layer pre-dispatch computation (attention and router) / dispatch /
-experts / combine / MTP post-process, post-process) the schedule runs later, one micro-batch's
+``TransformerModelChunkSchedulePlan`` whose nodes (pre-process, per layer pre-dispatch
+computation (attention and router) / dispatch / experts / combine / MTP post-process,
+post-process) the schedule runs later, one micro-batch's
 forward nodes between another's backward nodes. Two things the model's forward does are then
 missing:
 

@@ -61,8 +61,9 @@ class DPAssembly:
     """Rebuilds whole matrices from the DP ranks' shards with one all-gather.
 
     ``segments`` lists, for every rank of ``group`` in order, the runs ``(start, length)`` of the
-    Muon elements it owns (in any order), in the assembly layout (the wrapper's Muon matrices one after the other,
-    in megatron's buffer order: the same on every rank); ``placements`` are this rank's shards.
+    Muon elements it owns (in any order), in the assembly layout (the wrapper's Muon matrices one
+    after the other, in megatron's buffer order: the same on every rank); ``placements`` are this
+    rank's shards.
     ``device`` is the parameters' (megatron's grad buffers'): the segments are gathered there (NCCL
     on GPUs) and Newton-Schulz runs on views of them; a rank that owns no Muon shard still sends
     its (padding) segment, so the device cannot be taken from its directions."""
