@@ -1,6 +1,6 @@
-"""``python -m planner [run overrides] cluster=NAME [cluster.FIELD=V] [--search] [plan.json=PATH]``
+"""``python -m planner [recipe=NAME] [run overrides] [cluster=NAME] [cluster.FIELD=V] [--search] [plan.json=PATH]``
 
-Sizes every curriculum stage of a run on a named cluster before anything is allocated: memory per
+Sizes every curriculum stage of a run on a named cluster (``cluster=NAME``, else the recipe's) before anything is allocated: memory per
 pipeline rank (weights, grads, main params, optimizer state, activations, the optimizer step),
 FLOPs per token, estimated step time, tokens/s/GPU, MFU and GPU-hours. ``--search`` ranks the
 layouts that validate and fit for each stage by estimated step time and prints the winner's
@@ -20,7 +20,7 @@ import sys
 
 from pretrain.config.errors import ConfigError
 
-USAGE = ("usage: python -m planner [run overrides ...] cluster=NAME [cluster.FIELD=VALUE ...] "
+USAGE = ("usage: python -m planner [recipe=NAME] [run overrides ...] [cluster=NAME] [cluster.FIELD=VALUE ...] "
          "[--search] [--stage NAME] [plan.json=PATH] [plan.min_headroom=0.1]")
 
 
@@ -62,11 +62,12 @@ def split_arguments(argv: list[str]) -> dict:
             raise ConfigError("bad planner arguments", [f"unknown planner argument {a!r}; {USAGE}"])
         else:
             out["overrides"].append(a)
-    if out["cluster"] is None:
-        from planner.cluster import preset_names
-
-        raise ConfigError("bad planner arguments",
-                          [f"cluster=NAME is required (presets: {', '.join(preset_names())})"])
+    # the run config holds the cluster too (a recipe sets it): the run validates for the cluster
+    # planned for, and a command line's cluster=NAME / cluster.nodes=N win over the recipe's
+    if out["cluster"] is not None:
+        out["overrides"].append(f"cluster.name={out['cluster']}")
+    if "nodes" in out["cluster_overrides"]:
+        out["overrides"].append(f"cluster.nodes={out['cluster_overrides']['nodes']}")
     return out
 
 
@@ -83,7 +84,7 @@ def _json_path_problem(path: str) -> str | None:
     return None
 
 
-def resolve_run(overrides: list[str], world_size: int):
+def resolve_run(overrides: list[str], world_size: int, cfg=None):
     """``(rc, stages, problems)``: the run config, its stages and every problem
     ``pretrain.train`` would report at launch at ``world_size`` (corpus and tokenizer files aside;
     they are on the cluster). Stages come back even when some do not validate, so ``--search`` can
@@ -94,7 +95,7 @@ def resolve_run(overrides: list[str], world_size: int):
     from pretrain.config.numbers import check_numbers
     from pretrain.config.validation import plan_run
 
-    cfg = compose(overrides)
+    cfg = compose(overrides) if cfg is None else cfg
     rc = to_run_config(cfg)
     check_numbers(rc)  # bad input (exit 2): a NaN or a zero divisor is not something --search can fix
     stages, problems = plan(rc)
@@ -108,19 +109,36 @@ def resolve_run(overrides: list[str], world_size: int):
     return rc, stages, []
 
 
+def cluster_to_plan(args: dict, cfg) -> tuple[str, dict]:
+    """(preset name, field overrides): the command line's cluster=NAME and cluster.FIELD=V, else
+    the run config's cluster (a recipe's: cluster.name, cluster.nodes)."""
+    from planner.cluster import preset_names
+
+    name = args["cluster"] or cfg.cluster.name
+    if name is None:
+        raise ConfigError("bad planner arguments", [f"cluster=NAME or a recipe=NAME is required (cluster "
+                                                    f"presets: {', '.join(preset_names())})"])
+    fields = dict(args["cluster_overrides"])
+    if "nodes" not in fields and cfg.cluster.nodes is not None:
+        fields["nodes"] = cfg.cluster.nodes
+    return name, fields
+
+
 def main(argv: list[str]) -> int:
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
     from planner import report
+    from pretrain.config.schema import compose
     from planner.cluster import load_cluster
     from planner.stage_plan import MIN_HEADROOM, mark_stage_changes, plan_stage
 
     try:
         args = split_arguments(argv)
-        cluster = load_cluster(args["cluster"], args["cluster_overrides"])
+        cfg = compose(args["overrides"])
+        cluster = load_cluster(*cluster_to_plan(args, cfg))
         world = cluster.world_size
-        rc, stages, run_problems = resolve_run(args["overrides"], world)
+        rc, stages, run_problems = resolve_run(args["overrides"], world, cfg)
         if args["stage"] is not None and args["stage"] not in [s.name for s in stages]:
             raise ConfigError("bad planner arguments", [f"--stage {args['stage']!r} is not a stage of this "
                                                         f"curriculum ({', '.join(s.name for s in stages)})"])
@@ -132,7 +150,7 @@ def main(argv: list[str]) -> int:
         return 2
     headroom = MIN_HEADROOM if args["min_headroom"] is None else args["min_headroom"]
     chosen = [s for s in stages if args["stage"] in (None, s.name)]
-    print(f"plan: {' '.join(args['overrides']) or '(defaults)'} on {cluster.name}: {cluster.nodes} nodes x "
+    print(f"plan: {' '.join(o for o in args['overrides'] if not o.startswith('cluster.')) or '(defaults)'} on {cluster.name}: {cluster.nodes} nodes x "
           f"{cluster.gpus_per_node} GPUs = {world} ({cluster.gpu_memory_gib:g} GiB, "
           f"{cluster.bf16_tflops:g} bf16 TFLOP/s each); a stage fits with >= {headroom:.0%} of memory free")
     plans = [plan_stage(s.name, s.steps, s.rc, world, cluster, headroom, s.trainable) for s in chosen]

@@ -13,11 +13,10 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, fields
 
+from pretrain.config.cluster import CLUSTER_DIR, preset_names
 from pretrain.config.errors import ConfigError
 from pretrain.config.numbers import Rule, count, non_negative, positive, table_problems
 
-CLUSTER_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                           "conf", "cluster")
 
 
 @dataclass
@@ -130,10 +129,6 @@ def _cluster_rules() -> dict:
 
 
 CLUSTER_RULES = _cluster_rules()
-
-
-def preset_names() -> list[str]:
-    return sorted(f[:-5] for f in os.listdir(CLUSTER_DIR) if f.endswith(".yaml"))
 
 
 def load_cluster(name: str, overrides: dict | None = None) -> ClusterConfig:

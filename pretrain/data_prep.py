@@ -230,16 +230,20 @@ def _main(argv: list[str]) -> int:
 
 
 def _plan(overrides: list[str], plan_run):
-    """``(rc, stages)`` as ``pretrain.train`` resolves and validates them, at the smallest world
-    size every stage's layout divides (a world a launch could use is a multiple of it, so a config
-    a launch accepts is accepted here; the data does not depend on the world size)."""
+    """``(rc, stages)`` as ``pretrain.train`` resolves and validates them: at the run's cluster's
+    world size where it names one (a recipe), else at the smallest world size every stage's
+    layout divides (a world a launch could use is a multiple of it, so a config a launch accepts
+    is accepted here; the data does not depend on the world size)."""
     from math import lcm
 
+    from pretrain.config.cluster import cluster_world
     from pretrain.config.schema import compose
     from pretrain.curriculum import plan
     from pretrain.config.command_line import resolve
 
     rc, _, changes = resolve(compose(overrides), overrides)
+    if cluster_world(rc.cluster):
+        return rc, plan_run(rc, cluster_world(rc.cluster), changes)
     world = 1
     for st in plan(rc)[0]:
         p = st.rc.parallel

@@ -4,8 +4,8 @@
 # A training run's data, built ahead of it: `python -m data_pipeline.prepare <overrides>` as one
 # task on one node -- every curriculum stage's tokenised corpora and sample index under
 # <run dir>/data_index/, exactly as the run would build them. Pass the overrides the run will get:
-#   sbatch slurm/prepare.sh trainer.name=glm5-run1 curriculum=glm5 parallel=glm5_h200_512gpu
-#   sbatch --nodes=64 slurm/pretrain.sh trainer.name=glm5-run1 curriculum=glm5 parallel=glm5_h200_512gpu
+#   sbatch slurm/prepare.sh recipe=glm5_744b_h200x512 trainer.name=glm5-run1
+#   sbatch --nodes=64 slurm/pretrain.sh recipe=glm5_744b_h200x512 trainer.name=glm5-run1
 # A launch over several nodes only checks its data and stops with an error naming the stage and
 # this command when some is missing (its ranks would otherwise wait in a collective, past the
 # process group's timeout, while one of them builds). To start training once it is done:

@@ -5,7 +5,7 @@
 # torchrun (a script of your own that launches torchrun should run `python -m pretrain.torchrun`
 # instead: torchrun exits 1, not 75, after a preemption; docs/reliability.md). Every #SBATCH
 # default below can be overridden on the sbatch command line, e.g.
-#   sbatch --nodes=64 --time=48:00:00 --signal=B:USR1@900 slurm/pretrain.sh model=glm5_744b parallel=glm5_h200_512gpu trainer.name=exp1
+#   sbatch --nodes=64 --time=48:00:00 --signal=B:USR1@900 slurm/pretrain.sh recipe=glm5_744b_h200x512 trainer.name=exp1
 #   sbatch --ntasks-per-node=4 --gpus-per-node=0 --cpus-per-task=1 slurm/pretrain.sh trainer.name=cpu4
 # The run dir is runs/<trainer.name> (or trainer.run_dir) under the submit dir, so a requeued job
 # continues the same run: it resumes from checkpoints/latest and appends to the same W&B run.

@@ -199,6 +199,7 @@ RUN_RULES: dict[str, Rule | Elsewhere] = {
     "trainer.eval_every": count(0, note="0: never"),
     "trainer.eval_samples": count(1),
     "trainer.lock_wait_s": non_negative(),
+    "cluster.nodes": count(1, optional=True, note="null: any size"),
     "faults.reload_after_bad_steps": Elsewhere("pretrain.reliability.faults.check"),
     "faults.max_reloads": Elsewhere("pretrain.reliability.faults.check"),
     "faults.diverged_after": Elsewhere("pretrain.reliability.faults.check"),

@@ -13,6 +13,7 @@ from omegaconf import OmegaConf
 from data_pipeline.config import DataConfig
 from model_providers.glm5.model.config import GLM5Config, PrecisionConfig
 from parallel.config import ParallelConfig
+from pretrain.config.cluster import ClusterChoice
 from pretrain.curriculum import CurriculumConfig
 from pretrain.reliability.faults import FaultsConfig
 
@@ -126,6 +127,7 @@ class RunConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     curriculum: CurriculumConfig = field(default_factory=CurriculumConfig)
     faults: FaultsConfig = field(default_factory=FaultsConfig)
+    cluster: ClusterChoice = field(default_factory=ClusterChoice)  #: a recipe's hardware and nodes
 
 
 #: the Hydra config tree ``python -m pretrain.train`` composes from

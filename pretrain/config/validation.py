@@ -15,6 +15,7 @@ import os
 from typing import Sequence
 
 from pretrain.reliability import faults
+from pretrain.config.cluster import cluster_problems
 from pretrain.config.schema import RunConfig
 from pretrain.config.errors import ConfigError
 from pretrain.config.numbers import check_numbers
@@ -127,6 +128,7 @@ def plan_run(rc: RunConfig, world_size: int, changes: Sequence[Change] = (), che
             problems.append(f"{label} {', '.join(repr(n) for n in names)}: {p}")
     of_stages = len(problems)
     problems += faults.check(rc.faults)
+    problems += cluster_problems(rc.cluster, world_size)
     problems += check_run_dir(rc.trainer.run_dir, on_this_host=check_paths)
     if check_paths and not rc.checkpoint.resume:
         problems += fresh_start_problems(rc.trainer.run_dir)

@@ -7,7 +7,8 @@
   losses equal the uninterrupted run, and both job attempts logged to one W&B run id;
 - ``slurm/curriculum.sh`` submits one slurm/pretrain.sh job per stage, each afterok on the
   previous one and restricted to its stage with ``curriculum.only`` (checked with the jobs held, so
-  nothing trains, then cancelled).
+  nothing trains, then cancelled), with the recipe's ``cluster.nodes`` as the jobs' node count
+  unless ``--nodes`` is given.
 
 The tests share the session's cluster (tests/e2e/conftest.py), started by the first one, a
 one-process test: the tests that train hold the rank slot and come last.
@@ -165,3 +166,20 @@ def test_usr1_preemption_requeues_and_resumes(slurm, reference, tmp_path):
     assert ids == {(run_dir / "wandb" / "run_id").read_text()}
     resumed = wandb_offline.history(wandb_offline.records(str(runs[1])))
     assert sorted(resumed) == list(range(first["steps"] + 1, STEPS + 1))
+
+
+def test_a_recipes_nodes_reach_sbatch(slurm, tmp_path):
+    """Without --nodes, each stage's job asks for the recipe's cluster.nodes; --nodes wins."""
+    args = ["--hold", f"--output={tmp_path}/%x-%j.out", "--ntasks-per-node=1", "--gpus-per-node=0",
+            "--cpus-per-task=1"]
+    recipe = ["--", "trainer.name=chain3", "recipe=glm5_tiny_cpu", "cluster.name=h100_80gb", "cluster.nodes=2"]
+    script = os.path.join(REPO, "slurm", "curriculum.sh")
+    for given, nodes in (([], "2"), (["--nodes=1"], "1")):
+        proc = subprocess.run(["bash", script, "--stages=main", *given, *args, *recipe], cwd=REPO, env=slurm.env,
+                              capture_output=True, text=True, timeout=180)
+        assert proc.returncode == 0, proc.stderr
+        job = proc.stdout.split()[1]
+        try:
+            assert slurm.job(job)["NumNodes"].split("-")[0] == nodes, slurm.job(job)
+        finally:
+            subprocess.run(["scancel", job], env=slurm.env, timeout=30)

@@ -42,6 +42,8 @@ CASES = {
         ["curriculum.stages[0] (pretrain_general).lr.peak=nan must be a finite number",
          "curriculum.stages[3] (extend_512).lr.end=inf must be a finite number"]),
     "empty_run_dir": (["trainer.run_dir="], ["trainer.run_dir='' is empty"]),
+    "recipe_on_another_size": (["recipe=glm5_tiny_cpu", "cluster.name=h100_80gb", "cluster.nodes=1"],
+                               ["cluster.nodes=1 x 8 GPUs per node (h100_80gb) is 8 ranks, this launch has 1"]),
     # Hydra's own refusals, as one line too
     "unknown_key": (["trainer.stepz=3"], ["Could not override 'trainer.stepz'", "Key 'stepz' not in 'TrainerConfig'"]),
     "unknown_option": (["parallel=nonexistent"], ["Could not find 'parallel/nonexistent'",

@@ -129,6 +129,8 @@ def _readme_commands() -> list[tuple[str, list[str], int]]:
                 world = int(words[words.index("--nproc-per-node") + 1])
             elif "slurm/" in line:
                 sb = {**_sbatch_defaults(), **options}
+                if "curriculum.sh" in line and "nodes" not in options:  # it submits the recipe's nodes
+                    sb["nodes"] = OmegaConf.select(compose(overrides), "cluster.nodes") or sb["nodes"]
                 world = int(sb["nodes"]) * int(sb["ntasks-per-node"])
             else:
                 world = 1

@@ -10,8 +10,8 @@ import pytest
 from planner.__main__ import main
 
 GLM5 = ["model=glm5_744b", "curriculum=glm5", "data=glm5_corpus"]  # the curriculum trains bf16
-#: the presets the README ships for each cluster: (parallel preset, cluster, nodes)
-RECIPES = [("glm5_h200_512gpu", "h200_141gb", 64), ("glm5_h100_1024gpu", "h100_80gb", 128)]
+#: the GLM-5 recipes the README ships, one per cluster (conf/recipe/): (recipe, nodes)
+RECIPES = [("glm5_744b_h200x512", 64), ("glm5_744b_h100x1024", 128)]
 TINY = ["curriculum=none", "trainer.global_batch_size=32", "trainer.micro_batch_size=4"]
 
 
@@ -22,11 +22,10 @@ def plan(capsys, *args):
 
 
 @pytest.mark.heavy
-@pytest.mark.parametrize("preset, cluster, nodes", RECIPES)
-def test_shipped_glm5_recipe_validates_and_fits_with_10_percent_free(capsys, tmp_path, preset, cluster, nodes):
+@pytest.mark.parametrize("recipe, nodes", RECIPES)
+def test_shipped_glm5_recipe_validates_and_fits_with_10_percent_free(capsys, tmp_path, recipe, nodes):
     path = tmp_path / "plan.json"
-    code, out, err = plan(capsys, *GLM5, f"parallel={preset}", f"cluster={cluster}", f"cluster.nodes={nodes}",
-                          f"plan.json={path}")
+    code, out, err = plan(capsys, f"recipe={recipe}", f"plan.json={path}")  # the recipe's cluster
     assert code == 0, out + err
     got = json.loads(path.read_text())
     assert got["world_size"] == nodes * 8
@@ -72,7 +71,7 @@ def test_unknown_cluster_names_the_presets(capsys):
 
 def test_cluster_is_required(capsys):
     code, out, err = plan(capsys, *TINY)
-    assert code == 2 and "cluster=NAME is required" in err
+    assert code == 2 and "cluster=NAME or a recipe=NAME is required" in err
 
 
 def test_unknown_cluster_field_is_named(capsys):
