@@ -79,7 +79,7 @@ def _megatron_dsa_layer(cfg):
 
     from model_providers.glm5.model.config import DSAConfig
     from model_providers.glm5.model.dsa.hadamard import hadamard_rotate
-    from model_providers.glm5.model.specs import _local_layer_spec
+    from model_providers.glm5.model.specs import local_layer_spec
 
     class DuplicatedLinear(Linear):
         def __init__(self, *args, parallel_mode=None, **kwargs):
@@ -90,7 +90,7 @@ def _megatron_dsa_layer(cfg):
             return DuplicatedLinear
 
     dsa.rotate_activation = hadamard_rotate
-    spec = _local_layer_spec(None, DSAConfig()).submodules.self_attention
+    spec = local_layer_spec(None, DSAConfig()).submodules.self_attention
     spec.module = MLASelfAttention
     spec.submodules.core_attention = get_dsa_module_spec_for_backend(
         cfg, Backend()).submodules.core_attention
@@ -101,11 +101,11 @@ def _our_layer(cfg, mode: str):
     from megatron.core.transformer.spec_utils import build_module
 
     from model_providers.glm5.model.config import DSAConfig
-    from model_providers.glm5.model.specs import _local_layer_spec
+    from model_providers.glm5.model.specs import local_layer_spec
 
     dsa = DSAConfig(mode=mode, index_heads=INDEX_HEADS, index_head_dim=INDEX_DIM, topk=TOPK,
                     query_chunk=CHUNK, kernels=KERNELS)
-    spec = _local_layer_spec(None, dsa).submodules.self_attention
+    spec = local_layer_spec(None, dsa).submodules.self_attention
     return build_module(spec, config=cfg, layer_number=1)
 
 

@@ -42,7 +42,7 @@ def run_rank(length: int, cp: int, mode: str) -> None:
 
     import model_providers.glm5.model.dsa.attention as attention
     from model_providers.glm5.model.config import DSAConfig
-    from model_providers.glm5.model.specs import _local_layer_spec
+    from model_providers.glm5.model.specs import local_layer_spec
     from parallel.config import ParallelConfig
     from parallel.initialize import initialize
     from parallel.megatron_compat import MicroBatch
@@ -61,7 +61,7 @@ def run_rank(length: int, cp: int, mode: str) -> None:
     cfg.context_parallel_size = cp
     dsa = DSAConfig(mode=mode, index_heads=INDEX_HEADS, index_head_dim=INDEX_DIM, topk=TOPK,
                     query_chunk=CHUNK)
-    layer = build_module(_local_layer_spec(None, dsa).submodules.self_attention, config=cfg,
+    layer = build_module(local_layer_spec(None, dsa).submodules.self_attention, config=cfg,
                          layer_number=1)
     torch.manual_seed(parallel_state.get_context_parallel_rank())
 

@@ -123,7 +123,7 @@ def _pipeline_layout_problems(par: "ParallelConfig", num_layers: int, mtp_num_st
     return stages, []
 
 
-def _rank_layer_counts(num_layers: int, par: ParallelConfig) -> list[int]:
+def rank_layer_counts(num_layers: int, par: ParallelConfig) -> list[int]:
     """Decoder layers per pipeline rank (all its virtual stages together)."""
     first = par.first_stage_layers
     last = par.last_stage_layers
@@ -145,7 +145,7 @@ def stage_layer_counts(num_layers: int, par: ParallelConfig) -> list[int]:
     """Decoder layers per model chunk in model order (pp ranks x virtual stages), as
     megatron-core assigns them (uneven first/last stages, the rest split evenly)."""
     v = par.virtual_stages
-    chunks = [[n // v] * v for n in _rank_layer_counts(num_layers, par)]
+    chunks = [[n // v] * v for n in rank_layer_counts(num_layers, par)]
     return [chunks[r][s] for s in range(v) for r in range(par.pp)]
 
 
@@ -251,7 +251,7 @@ def check_layout(
             f"divisible by the remaining {middle_stages} pipeline stages (parallel.pp={par.pp})"
         )
     else:
-        for r, n in enumerate(_rank_layer_counts(num_layers, par)):
+        for r, n in enumerate(rank_layer_counts(num_layers, par)):
             if n % par.virtual_stages:
                 p.append(
                     f"pipeline rank {r} holds {n} layers, not divisible by parallel.vpp={par.vpp}"

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from parallel.config import _rank_layer_counts
+from parallel.config import rank_layer_counts
 
 
 def layer_equivalents(rc) -> tuple[float, float]:
@@ -30,7 +30,7 @@ def rank_loads(num_layers: int, pp: int, first: Optional[int], last: Optional[in
     from parallel.config import ParallelConfig
 
     par = ParallelConfig(pp=pp, first_stage_layers=first, last_stage_layers=last)
-    loads = [float(n) for n in _rank_layer_counts(num_layers, par)]
+    loads = [float(n) for n in rank_layer_counts(num_layers, par)]
     loads[0] += extra_first
     loads[-1] += extra_last
     return loads

@@ -20,7 +20,7 @@ FP32 = 4
 def _muon_elements(rank, rc) -> dict:
     """{"dense"|"expert": Muon elements in that kind's buffers on this rank (unsharded)}, and the
     largest Muon matrix as Newton-Schulz sees it (rows, cols) after any TP gather."""
-    from pretrain.optim.matrices import _head_blocks, uses_adam
+    from pretrain.optim.matrices import head_blocks, uses_adam
 
     tp, etp = rc.parallel.tp, rc.parallel.expert_tp
     totals, largest = {"dense": 0, "expert": 0}, (0, 0)
@@ -31,7 +31,7 @@ def _muon_elements(rank, rc) -> dict:
             expert = not getattr(p, "allreduce", True)
             totals["expert" if expert else "dense"] += p.numel()
             rows, cols = p.shape
-            per_head = _head_blocks(name, (rows, cols), chunk.config, rc.optimizer.muon.split)
+            per_head = head_blocks(name, (rows, cols), chunk.config, rc.optimizer.muon.split)
             split = 1 if per_head else (etp if expert else tp)
             if getattr(p, "tensor_model_parallel", False) and split > 1:
                 if getattr(p, "partition_dim", 0) == 0:

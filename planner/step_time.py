@@ -219,8 +219,7 @@ class _Model:
     """Per-layer work and parameter counts of one stage's model, each kind computed once."""
 
     def __init__(self, rc):
-        from model_providers.glm5.counting.flops import (_output_head, _per_token, _post_parts,
-                                                       layer_work)
+        from model_providers.glm5.counting.flops import layer_work, mtp_work, output_head_work
 
         m, L, tp, cp = rc.model, rc.trainer.seq_length, rc.parallel.tp, rc.parallel.cp
         self.m = m
@@ -229,10 +228,8 @@ class _Model:
             key = self.kind(i)
             if key not in self._work:
                 self._work[key] = layer_work(m, L, i, tp, cp)
-        mtp, attn, split, replicated, _ = _post_parts(m, L, tp, cp)
-        zero = type(mtp)()
-        self.mtp = _per_token(L, tp, mtp, attn, split, replicated)
-        self.heads = _per_token(L, tp, _output_head(m, L, tp), zero, zero, zero)
+        self.mtp = mtp_work(m, L, tp, cp)
+        self.heads = output_head_work(m, L, tp)
 
     def kind(self, i: int) -> tuple:
         return (i == 0, bool(self.m.num_experts) and i >= self.m.first_k_dense)

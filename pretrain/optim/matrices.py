@@ -50,7 +50,9 @@ def uses_adam(name: str, param: torch.Tensor) -> bool:
             or getattr(param, "shared_embedding", False) or ".router." in f".{name}")
 
 
-def _head_blocks(name: str, shape, tcfg, split: str) -> Optional[tuple]:
+def head_blocks(name: str, shape, tcfg, split: str) -> Optional[tuple]:
+    """Muon Split's per-head blocks of MLA's up-projection ``name`` (rows per head, in order), or
+    None where the matrix is orthogonalised whole (``split`` other than per_head, other weights)."""
     if split != "per_head":
         return None
     if name.endswith("linear_q_up_proj.weight"):
@@ -84,7 +86,7 @@ def muon_matrices(model_chunks, split: str) -> dict:
         for name, p in chunk.named_parameters():
             if not p.requires_grad or uses_adam(name, p):
                 continue
-            blocks = _head_blocks(name, tuple(p.shape), tcfg, split)
+            blocks = head_blocks(name, tuple(p.shape), tcfg, split)
             group = None if blocks else _tp_group(name, p)
             specs[p] = MatrixSpec(name=name, shape=tuple(p.shape), block_rows=blocks,
                                   tp_group=group, tp_dim=p.partition_dim if group else None)

@@ -11,7 +11,7 @@ def sparse_layer(mode, topk, **recompute):
     from megatron.core.transformer.spec_utils import build_module
     from megatron.core.transformer.transformer_config import MLATransformerConfig
 
-    from model_providers.glm5.model.specs import _local_layer_spec
+    from model_providers.glm5.model.specs import local_layer_spec
 
     cfg = MLATransformerConfig(
         num_layers=1, hidden_size=64, num_attention_heads=4, q_lora_rank=32, kv_lora_rank=24,
@@ -20,7 +20,7 @@ def sparse_layer(mode, topk, **recompute):
         apply_rope_fusion=False, masked_softmax_fusion=False, gradient_accumulation_fusion=False,
         bias_dropout_fusion=False, use_cpu_initialization=True, init_method_std=0.2, **recompute)
     dsa = DSAConfig(mode=mode, index_heads=2, index_head_dim=16, topk=topk, query_chunk=7)
-    return build_module(_local_layer_spec(None, dsa).submodules.self_attention, config=cfg, layer_number=1)
+    return build_module(local_layer_spec(None, dsa).submodules.self_attention, config=cfg, layer_number=1)
 
 
 def outputs_per_kernel_choice(choices, topk=6):

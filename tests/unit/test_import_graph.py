@@ -1,6 +1,7 @@
 """The project's import graph, read from the source (every ``import``, inside functions too): no
-cycle between modules, and packages import one way (docs/design.md, "Packages and the import
-direction"), apart from the named exceptions below, each with the reason it is still there."""
+cycle between modules, packages import one way (docs/design.md, "Packages and the import
+direction"), apart from the named exceptions below, each with the reason it is still there, and
+no module uses another package's private names (``from pkg.mod import _name``, ``mod._name``)."""
 
 import ast
 import os
@@ -111,6 +112,33 @@ def upward_imports(graph: dict) -> list:
                   if m.split(".")[0] != t.split(".")[0] and t.split(".")[0] not in MAY_IMPORT[m.split(".")[0]])
 
 
+def private_uses(root: str) -> list:
+    """(module, imported module, name) for each private name (one underscore) a module takes from
+    another package's module, imported by name or read as an attribute of the imported module."""
+    mods = modules(root)
+    found = set()
+    for mod, path in mods.items():
+        with open(path) as f:
+            tree = ast.parse(f.read(), path)
+        aliases = {}  #: local name -> the project module it is bound to
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                for a in node.names:
+                    if a.name in mods:
+                        aliases[a.asname or a.name.split(".")[0]] = a.name if a.asname else a.name.split(".")[0]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module in mods:
+                for a in node.names:
+                    if f"{node.module}.{a.name}" in mods:
+                        aliases[a.asname or a.name] = f"{node.module}.{a.name}"
+                    elif a.name.startswith("_") and not a.name.startswith("__"):
+                        found.add((mod, node.module, a.name))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases \
+                    and node.attr.startswith("_") and not node.attr.startswith("__"):
+                found.add((mod, aliases[node.value.id], node.attr))
+    return sorted((m, t, n) for m, t, n in found if m.split(".")[0] != t.split(".")[0])
+
+
 def test_no_module_imports_itself_through_others():
     assert cycles(import_graph(REPO)) == []
 
@@ -121,12 +149,18 @@ def test_packages_import_one_way():
     assert set(EXCEPTIONS) <= set(upward)  # an exception that is gone is taken off the list
 
 
+def test_no_package_uses_another_packages_private_names():
+    assert private_uses(REPO) == []
+
+
 @pytest.fixture
 def planted(tmp_path):
     """A copy of two packages' files with a cycle and an upward import planted."""
     for package, files in {"parallel": {"__init__.py": "", "a.py": "from parallel import b\n",
                                         "b.py": "def f():\n    from parallel.a import x\n"},
-                           "pretrain": {"__init__.py": "", "run.py": "import parallel.a\n"}}.items():
+                           "pretrain": {"__init__.py": "", "run.py": "import parallel.a\n",
+                                        "step.py": "from parallel.b import _hidden\nimport parallel.a as a\n"
+                                                   "x = a._state\n"}}.items():
         (tmp_path / package).mkdir()
         for name, text in files.items():
             (tmp_path / package / name).write_text(text)
@@ -138,3 +172,8 @@ def test_the_checks_find_a_planted_cycle_and_upward_import(planted):
     graph = import_graph(str(planted))
     assert cycles(graph) == [["parallel.a", "parallel.b"]]
     assert upward_imports(graph) == [("parallel.c", "pretrain.run")]
+
+
+def test_the_check_finds_planted_private_uses(planted):
+    assert private_uses(str(planted)) == [("pretrain.step", "parallel.a", "_state"),
+                                          ("pretrain.step", "parallel.b", "_hidden")]

@@ -335,6 +335,18 @@ def post_work(m: GLM5Config, seq_length: int, tp: int = 1, cp: int = 1) -> WorkP
     return _per_token(seq_length, tp, mtp + heads, attn, split, replicated)
 
 
+def mtp_work(m: GLM5Config, seq_length: int, tp: int = 1, cp: int = 1) -> WorkPerToken:
+    """The MTP module at every step (its output heads apart: :func:`output_head_work`)."""
+    mtp, attn, split, replicated, _ = _post_parts(m, seq_length, tp, cp)
+    return _per_token(seq_length, tp, mtp, attn, split, replicated)
+
+
+def output_head_work(m: GLM5Config, seq_length: int, tp: int = 1) -> WorkPerToken:
+    """One output head (the LM's or an MTP step's), counted as a linear layer."""
+    zero = _Work()
+    return _per_token(seq_length, tp, _output_head(m, seq_length, tp), zero, zero, zero)
+
+
 def flops_per_token(m: GLM5Config, seq_length: int, tp: int = 1, cp: int = 1) -> FlopsPerToken:
     """Exact training FLOPs per token of ``m`` at ``seq_length`` in its DSA mode (see the module
     doc), counted over the whole cluster: ``tp`` pads the vocabulary as megatron does and

@@ -68,7 +68,9 @@ def _dsa_core_attention(dsa) -> ModuleSpec:
     return ModuleSpec(module=DSACoreAttention, params={"dsa": dsa})
 
 
-def _local_layer_spec(num_experts, dsa) -> ModuleSpec:
+def local_layer_spec(num_experts, dsa) -> ModuleSpec:
+    """One decoder layer on megatron's local (torch) layers: dense FFN when ``num_experts`` is
+    None, MoE otherwise."""
     backend = LocalBackend()
     return ModuleSpec(
         module=TransformerLayer,
@@ -129,7 +131,7 @@ def layer_spec(backend: str, num_experts, dsa) -> ModuleSpec:
         sub.linear_kv_up_proj = kv_up_projection(TEColumnParallelLinear)
         sub.q_layernorm = sub.kv_layernorm = TENorm
         return spec
-    return _local_layer_spec(num_experts, dsa)
+    return local_layer_spec(num_experts, dsa)
 
 
 def all_layer_specs(tcfg, backend: str, dsa) -> list[ModuleSpec]:
