@@ -278,9 +278,12 @@ def main() -> None:
 
     from data_pipeline import tokenizer
     from data_pipeline.fsutil import file_digest
-    from tests.support.data import default_data_cfg
+    from benchmarks.runs import REPO
+    from pretrain.config.schema import compose, to_run_config
 
-    tok = tokenizer.resolve(default_data_cfg())
+    samples = to_run_config(compose([])).data  # conf/data/samples.yaml, as the run composes it
+    samples.cache_dir = os.path.join(REPO, samples.cache_dir)
+    tok = tokenizer.resolve(samples)
     rc, stages, streams = plan_streams()
     tokens = corpus_tokens(stages)
     shards = rc.data.preprocess.tasks

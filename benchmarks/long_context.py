@@ -92,7 +92,7 @@ def spawn(length: int, cp: int, mode: str) -> list[dict]:
     env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS=str(max(1, os.cpu_count() // cp)))
     env.pop("RANK", None)
     env.pop("WORLD_SIZE", None)
-    from tests.support.launch import free_port
+    from parallel.initialize import free_port
 
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={cp}",
            f"--master-port={free_port()}", __file__, "--rank", str(length), str(cp), mode]

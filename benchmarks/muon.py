@@ -25,7 +25,7 @@ import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from tests.support.launch import read_metrics, run_train  # noqa: E402
+from benchmarks.runs import read_metrics, run_train  # noqa: E402
 
 OPTIMIZERS = ("adam", "muon_split")
 

@@ -23,7 +23,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from tests.support.launch import read_metrics, run_train  # noqa: E402
+from benchmarks.runs import read_metrics, run_train  # noqa: E402
 
 
 def training_tokens_per_s(steps: int) -> list[tuple[str, int, float, float]]:

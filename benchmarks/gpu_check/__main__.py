@@ -175,9 +175,9 @@ def main(argv=None) -> int:
     if dev == "cuda":
         ieee_fp32_matmuls()
 
-    def interpreter_bf16():  # the interpreter's bf16 dot/cast made the GPU's (tests' support)
+    def interpreter_bf16():  # the interpreter's bf16 dot/cast made the GPU's
         if dev == "cpu":
-            from tests.support.triton_interpreter import bf16_as_on_gpu
+            from model_providers.glm5.model.dsa.kernels.interpreter import bf16_as_on_gpu
 
             bf16_as_on_gpu()
 

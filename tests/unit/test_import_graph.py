@@ -153,6 +153,19 @@ def test_no_package_uses_another_packages_private_names():
     assert private_uses(REPO) == []
 
 
+def test_nothing_outside_the_tests_imports_test_code():
+    """benchmarks/ and the packages run where tests/ may not be (a GPU node, an installed copy)."""
+    found = []
+    for mod, path in modules(REPO).items():
+        with open(path) as f:
+            tree = ast.parse(f.read(), path)
+        found += [(mod, n.module or "") for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.level == 0
+                  and (n.module or "").split(".")[0] == "tests"]
+        found += [(mod, a.name) for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names
+                  if a.name.split(".")[0] == "tests"]
+    assert found == []
+
+
 @pytest.fixture
 def planted(tmp_path):
     """A copy of two packages' files with a cycle and an upward import planted."""

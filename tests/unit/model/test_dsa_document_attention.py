@@ -78,7 +78,7 @@ def _case(name):
 
 def _collect():
     import model_providers.glm5.model.dsa.kernels.document_attention_triton as kernel
-    from tests.support.triton_interpreter import bf16_as_on_gpu
+    from model_providers.glm5.model.dsa.kernels.interpreter import bf16_as_on_gpu
 
     torch.set_num_threads(1)
     bf16_as_on_gpu()

@@ -23,7 +23,7 @@ import model_providers.glm5.model.dsa.kernels as kernels
 from parallel.config import ParallelConfig
 from parallel.initialize import initialize
 from tests.support.dsa_layer import outputs_per_kernel_choice
-from tests.support.triton_interpreter import bf16_as_on_gpu
+from model_providers.glm5.model.dsa.kernels.interpreter import bf16_as_on_gpu
 
 bf16_as_on_gpu()
 

@@ -22,7 +22,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.support.triton_interpreter import bf16_as_on_gpu, collect_in_interpreter
+from model_providers.glm5.model.dsa.kernels.interpreter import bf16_as_on_gpu
+from tests.support.triton_interpreter import collect_in_interpreter
 
 pytestmark = pytest.mark.heavy  # every case runs the Triton interpreter in one subprocess (minutes)
 

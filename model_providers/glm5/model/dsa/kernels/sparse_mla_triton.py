@@ -72,7 +72,7 @@ records both modes' errors and the floor on the GPU at GLM-5 shapes (k = 2048).
 Runs on CUDA tensors, or on CPU tensors when TRITON_INTERPRET=1 was set before this module was
 first imported (the Triton interpreter). triton 3.9's interpreter gets bf16 wrong (``tl.dot``
 multiplies the raw bit patterns, fp32 -> bf16 casts truncate; triton-lang/triton#11584): bf16
-in the interpreter needs ``tests.support.triton_interpreter.bf16_as_on_gpu()`` first; fp32
+in the interpreter needs ``kernels.interpreter.bf16_as_on_gpu()`` first; fp32
 needs nothing.
 """
 
