@@ -126,19 +126,12 @@ def build(rc):
     """Model chunks, DDP, distributed Adam with every moment set by one step, scheduler."""
     import torch
 
-    from model_providers.glm5.model.config import to_transformer_config
-    from model_providers.glm5.model.provider import build_model_chunks
-    from pretrain.optim import build_optimizer, build_scheduler
-    from pretrain.stage import wrap_ddp
+    from pretrain.stage_build import build_stage
 
-    tcfg = to_transformer_config(rc.model, rc.parallel, rc.precision)
-    chunks = build_model_chunks(rc.model, tcfg, "local")
-    ddp = wrap_ddp(tcfg, chunks, rc.parallel)
-    optimizer = build_optimizer(ddp, rc.optimizer, rc.precision.dtype, rc.parallel.distributed_optimizer)
-    scheduler = build_scheduler(optimizer, rc.optimizer, rc.scheduler, 10)
-    random_grads(ddp, 0)
-    optimizer.step()
-    return chunks, optimizer, scheduler, ddp
+    built = build_stage(rc, "local", steps=10)
+    random_grads(built.ddp, 0)
+    built.optimizer.step()
+    return built.chunks, built.optimizer, built.scheduler, built.ddp
 
 
 def save_before(ckpt_dir, chunks, optimizer, scheduler, state, rc):

@@ -6,7 +6,7 @@ set and megatron DDP buffers), following what training keeps:
 - weights: every parameter in its dtype; with the distributed optimizer the trainable ones live
   in megatron's param buffers, whose padding counts (each parameter 64-aligned, each bucket a
   multiple of lcm(DP, 128) elements).
-- grads: megatron's gradient buffers, fp32 (``grad_reduce_in_fp32``, :func:`pretrain.stage.wrap_ddp`),
+- grads: megatron's gradient buffers, fp32 (``grad_reduce_in_fp32``, :func:`pretrain.stage_build.wrap_ddp`),
   padded likewise; frozen parameters have none.
 - main params: an fp32 copy of each bf16 trainable parameter (megatron's mixed-precision
   wrappers); fp32 parameters are stepped in place.

@@ -4,7 +4,7 @@ The planner sizes a rank from the objects training builds, not from formulas: th
 provider (``model_providers.glm5.model.provider.build_model_chunks``) builds the rank's chunks (every
 virtual stage; embedding on the first, output layer and MTP on the last), the stage's trainable
 set is applied (DSA mode, ``curriculum.stages[].trainable``), and megatron's own
-``DistributedDataParallel`` (:func:`pretrain.stage.wrap_ddp`) lays out its gradient buffers,
+``DistributedDataParallel`` (:func:`pretrain.stage_build.build_stage`, as the run) lays out its gradient buffers,
 with the distributed optimizer's padding. Every tensor is on ``meta``: nothing is allocated and
 a 744B rank builds in well under a second.
 
@@ -106,15 +106,11 @@ def build_rank(rc, layout, pp_rank: int, trainable: Optional[Sequence[str]] = ()
     """Chunks and DDP wrappers of pipeline rank ``pp_rank`` of ``rc`` (one stage's resolved run
     config) at ``layout`` (``parallel.config.check_layout``), trainable as the stage trains:
     the DSA mode's set, narrowed by the stage's ``trainable`` patterns."""
-    from model_providers.glm5.model.provider import build_model_chunks
-    from pretrain.stage import restrict_trainable, wrap_ddp
+    from pretrain.stage_build import build_stage
 
-    tcfg = transformer_config(rc)
     with rank_position(rc.parallel, layout, pp_rank), torch.device("meta"), _without_build_warnings():
-        chunks = build_model_chunks(rc.model, tcfg, "local")
-        restrict_trainable(chunks, list(trainable or ()))
-        names = {p: n for c in chunks for n, p in c.named_parameters()}
-        ddp = wrap_ddp(tcfg, chunks, rc.parallel)
-    return MetaRank(pp_rank, chunks, ddp, names, dp=layout.dp * rc.parallel.cp,
+        built = build_stage(rc, "local", trainable, tcfg=transformer_config(rc), optimizer=False)
+    names = {p: n for c in built.chunks for n, p in c.named_parameters()}
+    return MetaRank(pp_rank, built.chunks, built.ddp, names, dp=layout.dp * rc.parallel.cp,
                     expert_dp=layout.expert_dp)
 

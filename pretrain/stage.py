@@ -16,6 +16,7 @@ from pretrain.reporting import memory_report
 from checkpointing.state import TrainState
 from pretrain.reporting.console import checkpoint_line
 from pretrain.curriculum import Stage
+from pretrain.stage_build import build_stage
 
 
 @dataclass
@@ -32,32 +33,6 @@ class RunContext:
     @property
     def ckpt_dir(self) -> str:
         return os.path.join(self.run_dir, "checkpoints")
-
-
-def restrict_trainable(model_chunks, patterns: list[str]) -> None:
-    """Freeze every parameter whose name matches none of ``patterns`` (on top of what the DSA
-    mode already froze). Call before DDP wrapping so frozen ones get no grad buffers."""
-    if not patterns:
-        return
-    compiled = [re.compile(p) for p in patterns]
-    for chunk in model_chunks:
-        for name, param in chunk.named_parameters():
-            if not any(c.search(name) for c in compiled):
-                param.requires_grad = False
-
-
-def wrap_ddp(tcfg, chunks, par) -> list:
-    """megatron DDP around each model chunk as every stage trains it: fp32 gradient buffers, the
-    distributed optimizer's padded param buffers when ``par.distributed_optimizer`` (the planner
-    sizes these same wrappers on the meta device: ``planner.meta_build``)."""
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-
-    from parallel.features import ddp_kwargs
-
-    ddp_cfg = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True, use_distributed_optimizer=par.distributed_optimizer, **ddp_kwargs(par))
-    return [DistributedDataParallel(config=tcfg, ddp_config=ddp_cfg, module=c, disable_bucketing=i > 0)
-            for i, c in enumerate(chunks)]
 
 
 def current_params(ddp_chunks) -> None:
@@ -109,12 +84,9 @@ def run_stage(stage: Stage, how: str, latest: Optional[str], ctx: RunContext,
 
     from data_pipeline.build import CategoryTokens, build_datasets
     from pretrain.data_prep import stage_request
-    from model_providers.glm5.model.config import to_transformer_config
-    from model_providers.glm5.model.provider import build_model_chunks
     from parallel.initialize import initialize, set_seeds
     from pretrain.reporting.logs import children_to_file
     from pretrain.loop import configure_model_hooks
-    from pretrain.optim import build_optimizer, build_scheduler
 
     rc, t = stage.rc, stage.rc.trainer
     initialize(rc.parallel, t.seed, ctx.env)
@@ -124,19 +96,16 @@ def run_stage(stage: Stage, how: str, latest: Optional[str], ctx: RunContext,
         dataset, valid = build_datasets(req.data, req.seq_length, req.seed, ctx.run_dir, req.vocab_size,
                                         req.num_samples, valid_samples=req.valid_samples)
     valid = valid if t.eval_every else None
-    tcfg = to_transformer_config(rc.model, rc.parallel, rc.precision)
-    chunks = build_model_chunks(rc.model, tcfg, ctx.backend)
-    restrict_trainable(chunks, stage.trainable)
+    weights = None  # the checkpoint whose weights the stage starts from (before DDP copies them)
     if how == "fresh" and rc.checkpoint.init_from:
-        source, why = checkpoint.resolve_init_from(rc.checkpoint.init_from)  # checked in plan_run
+        weights, why = checkpoint.resolve_init_from(rc.checkpoint.init_from)  # checked in plan_run
         if why:
             raise RuntimeError(why)
-        checkpoint.load(source, chunks)  # before DDP/optimizer copy the params
     elif how == "carry":
-        checkpoint.load(latest, chunks)
-    ddp = wrap_ddp(tcfg, chunks, rc.parallel)
-    optimizer = build_optimizer(ddp, rc.optimizer, rc.precision.dtype, rc.parallel.distributed_optimizer)
-    scheduler = build_scheduler(optimizer, rc.optimizer, rc.scheduler, stage.steps)
+        weights = latest
+    built = build_stage(rc, ctx.backend, stage.trainable, stage.steps,
+                        load_weights=None if weights is None else (lambda chunks: checkpoint.load(weights, chunks)))
+    tcfg, chunks, ddp, optimizer, scheduler = built.tcfg, built.chunks, built.ddp, built.optimizer, built.scheduler
     probe = configure_model_hooks(tcfg, ddp, optimizer)
 
     if how == "resume":

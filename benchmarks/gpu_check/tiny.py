@@ -47,29 +47,22 @@ def _host_sync_counter(device: str):
 
 def train_tiny(device: str, backend: str, dsa_mode: str, steps: int, seq: int) -> dict:
     """``steps`` training steps of the tiny GLM-5 (bf16, one rank) through pretrain.loop."""
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-
-    from model_providers.glm5.model.config import DSAConfig, GLM5Config, PrecisionConfig, to_transformer_config
-    from model_providers.glm5.model.provider import build_model_chunks
+    from model_providers.glm5.model.config import DSAConfig, GLM5Config, PrecisionConfig
     from parallel.config import ParallelConfig
     from parallel.initialize import initialize
-    from pretrain.config.schema import OptimizerConfig, SchedulerConfig, TrainerConfig
+    from pretrain.config.schema import OptimizerConfig, RunConfig, SchedulerConfig, TrainerConfig
     from pretrain.loop import configure_model_hooks, train_step
-    from pretrain.optim import build_optimizer, build_scheduler
+    from pretrain.stage_build import build_stage
 
     par = ParallelConfig(cpu_emulation="strict")
     initialize(par, seed=1234)
     model = GLM5Config(dsa=DSAConfig(mode=dsa_mode, topk=min(64, seq // 2)), layer_backend=backend)
-    precision = PrecisionConfig(dtype="bf16")
-    tcfg = to_transformer_config(model, par, precision)
-    chunks = build_model_chunks(model, tcfg, backend)
-    ddp = [DistributedDataParallel(config=tcfg, ddp_config=DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True), module=c) for c in chunks]
-    optimizer = build_optimizer(ddp, OptimizerConfig(lr=1e-3, min_lr=1e-4), "bf16", False)
-    scheduler = build_scheduler(optimizer, OptimizerConfig(lr=1e-3, min_lr=1e-4),
-                                SchedulerConfig(warmup_steps=1), steps)
-    probe = configure_model_hooks(tcfg, ddp, optimizer)
     trainer = TrainerConfig(seq_length=seq, micro_batch_size=2, global_batch_size=4)
+    rc = RunConfig(model=model, parallel=par, precision=PrecisionConfig(dtype="bf16"), trainer=trainer,
+                   optimizer=OptimizerConfig(lr=1e-3, min_lr=1e-4), scheduler=SchedulerConfig(warmup_steps=1))
+    built = build_stage(rc, backend, steps=steps)
+    tcfg, ddp, optimizer, scheduler = built.tcfg, built.ddp, built.optimizer, built.scheduler
+    probe = configure_model_hooks(tcfg, ddp, optimizer)
     data = _FixedBatch(model.vocab_size, seq, trainer.global_batch_size)
     start, stop = _host_sync_counter(device)
     if device == "cuda":
@@ -91,7 +84,7 @@ def train_tiny(device: str, backend: str, dsa_mode: str, steps: int, seq: int) -
     watched = "indexer_kl" if dsa_mode == "warmup" else "lm_loss"
     losses = [r[watched] for r in records]
     out = {"mode": dsa_mode, "backend": backend, "steps": records, "watched": watched,
-           "params": sum(p.numel() for c in chunks for p in c.parameters()),
+           "params": sum(p.numel() for c in built.chunks for p in c.parameters()),
            "finite": all(v == v and abs(v) != float("inf") and not r["skipped"] for v, r in zip(losses, records)),
            "falling": len(losses) > 1 and losses[-1] < losses[0]}
     if device == "cuda":

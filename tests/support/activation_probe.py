@@ -4,8 +4,8 @@ parallel layouts of the launch's world size) in one launch.
 
 BASE is a string of Hydra overrides (space-separated), composed once; each CASE a string of
 ``key=value`` fields set on top (``parallel.cp=2 trainer.seq_length=512 model.recompute=full``).
-Per case every rank builds the model the way ``pretrain.stage`` does (provider, DSA mode,
-recompute, megatron DDP and optimizer) and runs ``pretrain.loop.train_step`` on synthetic tokens;
+Per case every rank builds the model as ``pretrain.stage`` does (``pretrain.stage_build``:
+provider, DSA mode, recompute, megatron DDP and optimizer) and runs ``pretrain.loop.train_step`` on synthetic tokens;
 the step's forward-backward schedule runs under :class:`LiveTensorBytes`, which counts the bytes
 of every tensor storage created meanwhile for as long as it lives. Its peak is the step's peak
 live bytes minus those live at its start (weights, grad buffers, optimizer state are not
@@ -132,28 +132,19 @@ def measure(rc, env) -> int:
     ``rc`` (the optimizer update is skipped: not measured, and a fresh optimizer's first step
     would only allocate its state)."""
     from megatron.core import parallel_state
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
-    from model_providers.glm5.model.config import to_transformer_config
-    from model_providers.glm5.model.provider import build_model_chunks
     from model_providers.glm5.model.specs import resolve_backend
     from parallel.initialize import initialize
     from pretrain import loop
-    from pretrain.optim import build_optimizer, build_scheduler
+    from pretrain.stage_build import build_stage
 
     t = rc.trainer
     initialize(rc.parallel, t.seed, env)
     parallel_state.destroy_global_memory_buffer()  # each case allocates its SP buffer in its step
     parallel_state._set_global_memory_buffer()
-    tcfg = to_transformer_config(rc.model, rc.parallel, rc.precision)
-    chunks = build_model_chunks(rc.model, tcfg, resolve_backend(rc.model.layer_backend))
-    ddp_cfg = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True, use_distributed_optimizer=rc.parallel.distributed_optimizer)
-    ddp = [DistributedDataParallel(config=tcfg, ddp_config=ddp_cfg, module=c, disable_bucketing=i > 0)
-           for i, c in enumerate(chunks)]
-    optimizer = build_optimizer(ddp, rc.optimizer, rc.precision.dtype, rc.parallel.distributed_optimizer)
+    built = build_stage(rc, resolve_backend(rc.model.layer_backend), steps=max(t.steps, 1))
+    tcfg, ddp, optimizer, scheduler = built.tcfg, built.ddp, built.optimizer, built.scheduler
     optimizer.step = lambda: (True, 0.0, None)
-    scheduler = build_scheduler(optimizer, rc.optimizer, rc.scheduler, max(t.steps, 1))
     probe = loop.configure_model_hooks(tcfg, ddp, optimizer)
     tracker = LiveTensorBytes()
     schedule = loop.get_forward_backward_func

@@ -129,18 +129,43 @@ def test_frozen_parameters_hold_weights_only():
 def _real_rank(rc):
     """A real one-rank model of ``rc`` after one optimizer step (zero gradients: the state is
     created all the same)."""
-    from model_providers.glm5.model.config import to_transformer_config
-    from model_providers.glm5.model.provider import build_model_chunks
-    from pretrain.optim import build_optimizer
-    from pretrain.stage import wrap_ddp
+    from pretrain.stage_build import build_stage
 
-    tcfg = to_transformer_config(rc.model, rc.parallel, rc.precision)
-    ddp = wrap_ddp(tcfg, build_model_chunks(rc.model, tcfg, "local"), rc.parallel)
-    optimizer = build_optimizer(ddp, rc.optimizer, rc.precision.dtype, rc.parallel.distributed_optimizer)
-    for d in ddp:
+    built = build_stage(rc, "local", steps=1)
+    for d in built.ddp:
         d.zero_grad_buffer()
-    optimizer.step()
-    return ddp, optimizer
+    built.optimizer.step()
+    return built.ddp, built.optimizer
+
+
+def _what_is_built(chunks, ddp) -> dict:
+    """Every parameter (name, shape, dtype, trained) and buffer of the chunks, and every DDP
+    gradient / parameter buffer's layout."""
+    return {
+        "parameters": [(n, tuple(p.shape), p.dtype, p.requires_grad) for c in chunks for n, p in c.named_parameters()],
+        "buffers": [(n, tuple(b.shape), b.dtype) for c in chunks for n, b in c.named_buffers()],
+        "ddp": [(b.param_dtype, b.grad_dtype, b.numel, b.numel_unpadded, len(b.params), len(b.buckets))
+                for d in ddp for b in (*d.buffers, *d.expert_parallel_buffers)],
+    }
+
+
+@pytest.mark.parametrize("overrides, trainable", [
+    (["precision=bf16", "optimizer=adam", "parallel.distributed_optimizer=true"], ()),
+    (["model.dsa.mode=warmup"], ()),
+    (["precision=bf16", "model.dsa.mode=sparse"], [r"indexer\.", r"\.mlp\."]),
+])
+def test_the_planner_sizes_what_the_run_builds(one_rank, overrides, trainable):
+    """One build path (pretrain.stage_build.build_stage): the planner's meta-device rank and the
+    run's real one hold the same parameters, buffers and DDP buffers, frozen sets included."""
+    from pretrain.stage_build import build_stage
+
+    rc = _rc(*overrides)
+    planned = build_rank(rc, _layout(rc, 1), 0, trainable)
+    real = build_stage(rc, "local", trainable, steps=1)
+    want, have = _what_is_built(real.chunks, real.ddp), _what_is_built(planned.chunks, planned.ddp)
+    assert have == want
+    frozen = {n for n, *_, trained in want["parameters"] if not trained}
+    assert want["ddp"] and len(want["parameters"]) > len(frozen) > 0  # the DSA mode's or trainable's freeze
 
 
 @pytest.mark.parametrize("overrides", [
