@@ -272,7 +272,8 @@ def run(rc: RunConfig, config_yaml: str, changes=(), overrides=None) -> dict:
     from pretrain.data_prep import before_process_group
     from pretrain.reporting.metrics import MetricsSink
     from pretrain.reporting.plots import plot_curriculum
-    from pretrain.stage import RunContext, run_stage
+    from pretrain.run_context import RunContext
+    from pretrain.stage import run_stage
 
     preemption = faults.PreemptionSignal()  # USR1/SIGTERM -> save after the current step, exit
     backend = resolve_backend(rc.model.layer_backend)

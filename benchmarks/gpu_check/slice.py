@@ -80,7 +80,7 @@ def run_slice(device: str, mode: str, seq: int, reps: int) -> dict:
     from model_providers.glm5.model.provider import build_model_chunks
     from parallel.initialize import initialize
     from pretrain.config.schema import compose, to_run_config
-    from pretrain.loop import forward_step
+    from pretrain.step import forward_step
 
     overrides = slice_overrides(device, mode, seq)
     rc = to_run_config(compose(overrides))

@@ -46,12 +46,12 @@ def _host_sync_counter(device: str):
 
 
 def train_tiny(device: str, backend: str, dsa_mode: str, steps: int, seq: int) -> dict:
-    """``steps`` training steps of the tiny GLM-5 (bf16, one rank) through pretrain.loop."""
+    """``steps`` training steps of the tiny GLM-5 (bf16, one rank) through pretrain.step."""
     from model_providers.glm5.model.config import DSAConfig, GLM5Config, PrecisionConfig
     from parallel.config import ParallelConfig
     from parallel.initialize import initialize
     from pretrain.config.schema import OptimizerConfig, RunConfig, SchedulerConfig, TrainerConfig
-    from pretrain.loop import configure_model_hooks, train_step
+    from pretrain.step import configure_model_hooks, train_step
     from pretrain.stage_build import build_stage
 
     par = ParallelConfig(cpu_emulation="strict")

@@ -5,7 +5,7 @@ parallel layouts of the launch's world size) in one launch.
 BASE is a string of Hydra overrides (space-separated), composed once; each CASE a string of
 ``key=value`` fields set on top (``parallel.cp=2 trainer.seq_length=512 model.recompute=full``).
 Per case every rank builds the model as ``pretrain.stage`` does (``pretrain.stage_build``:
-provider, DSA mode, recompute, megatron DDP and optimizer) and runs ``pretrain.loop.train_step`` on synthetic tokens;
+provider, DSA mode, recompute, megatron DDP and optimizer) and runs ``pretrain.one_step.train_step`` on synthetic tokens;
 the step's forward-backward schedule runs under :class:`LiveTensorBytes`, which counts the bytes
 of every tensor storage created meanwhile for as long as it lives. Its peak is the step's peak
 live bytes minus those live at its start (weights, grad buffers, optimizer state are not
@@ -135,7 +135,7 @@ def measure(rc, env) -> int:
 
     from model_providers.glm5.model.specs import resolve_backend
     from parallel.initialize import initialize
-    from pretrain import loop
+    from pretrain import step as one_step
     from pretrain.stage_build import build_stage
 
     t = rc.trainer
@@ -145,9 +145,9 @@ def measure(rc, env) -> int:
     built = build_stage(rc, resolve_backend(rc.model.layer_backend), steps=max(t.steps, 1))
     tcfg, ddp, optimizer, scheduler = built.tcfg, built.ddp, built.optimizer, built.scheduler
     optimizer.step = lambda: (True, 0.0, None)
-    probe = loop.configure_model_hooks(tcfg, ddp, optimizer)
+    probe = one_step.configure_model_hooks(tcfg, ddp, optimizer)
     tracker = LiveTensorBytes()
-    schedule = loop.get_forward_backward_func
+    schedule = one_step.get_forward_backward_func
 
     def tracked_schedule():
         run = schedule()
@@ -158,12 +158,12 @@ def measure(rc, env) -> int:
                 return run(**kwargs)
         return tracked
 
-    loop.get_forward_backward_func = tracked_schedule
+    one_step.get_forward_backward_func = tracked_schedule
     try:
-        loop.train_step(ddp, optimizer, scheduler, SyntheticTokens(t.seq_length, rc.model.vocab_size),
+        one_step.train_step(ddp, optimizer, scheduler, SyntheticTokens(t.seq_length, rc.model.vocab_size),
                         0, t, probe, rc.model.mtp_num_steps)
     finally:
-        loop.get_forward_backward_func = schedule
+        one_step.get_forward_backward_func = schedule
     return tracker.peak
 
 

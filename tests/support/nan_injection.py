@@ -2,8 +2,8 @@
 
     python -m tests.support.nan_injection --nan-at-steps=2,5,6 [hydra overrides]
 
-The training code has no fault hook: this launcher wraps ``pretrain.loop.train_step`` and, during
-the chosen steps, ``pretrain.loop.lm_loss_func`` so that the per-token losses it receives are NaN.
+The training code has no fault hook: this launcher wraps ``pretrain.one_step.train_step`` and, during
+the chosen steps, ``pretrain.one_step.lm_loss_func`` so that the per-token losses it receives are NaN.
 The NaN then takes the real path: LM loss -> backward -> non-finite gradients -> skipped step and
 the reload policy. The step number is taken from the data position (``consumed_samples`` /
 global batch + 1), which keeps counting through skipped steps, reloads and resumes, so it is
@@ -30,9 +30,9 @@ def command(nan_steps: list[int], overrides: list[str]) -> list[str]:
 
 
 def install(nan_steps: set[int]) -> None:
-    from pretrain import loop
+    from pretrain import step as one_step
 
-    train_step, lm_loss_func = loop.train_step, loop.lm_loss_func
+    train_step, lm_loss_func = one_step.train_step, one_step.lm_loss_func
 
     def nan_loss(loss_mask, output_tensor):
         return lm_loss_func(loss_mask, output_tensor * torch.nan)
@@ -40,14 +40,14 @@ def install(nan_steps: set[int]) -> None:
     def step_with_faults(ddp_chunks, optimizer, scheduler, dataset, consumed_samples, trainer_cfg,
                          *args, **kwargs):
         step = consumed_samples // trainer_cfg.global_batch_size + 1
-        loop.lm_loss_func = nan_loss if step in nan_steps else lm_loss_func
+        one_step.lm_loss_func = nan_loss if step in nan_steps else lm_loss_func
         try:
             return train_step(ddp_chunks, optimizer, scheduler, dataset, consumed_samples,
                               trainer_cfg, *args, **kwargs)
         finally:
-            loop.lm_loss_func = lm_loss_func
+            one_step.lm_loss_func = lm_loss_func
 
-    loop.train_step = step_with_faults
+    one_step.train_step = step_with_faults
 
 
 def main() -> None:

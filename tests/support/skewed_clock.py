@@ -3,7 +3,7 @@
     python -m tests.support.skewed_clock --rank=1 [hydra overrides]
 
 ``checkpoint.save_every_minutes`` is decided by the clock of the stage loop
-(``pretrain.stage.time.monotonic``). Here the given rank's clock passes an hour every 3.6 microseconds,
+(``pretrain.stage_loop.time.monotonic``). Here the given rank's clock passes an hour every 3.6 microseconds,
 so by its own clock a save is due after every step; the others' clocks are untouched. The training code has no hook for it.
 """
 
@@ -29,10 +29,10 @@ def main() -> None:
     rank = int(sys.argv[1][len(FLAG):])
     del sys.argv[1]  # the rest is Hydra's
     if int(os.environ.get("RANK", "0")) == rank:
-        from pretrain import stage
+        from pretrain import stage_loop
 
-        stage.time = SimpleNamespace(monotonic=lambda: time.monotonic() * FASTER,
-                                     perf_counter=time.perf_counter)
+        stage_loop.time = SimpleNamespace(monotonic=lambda: time.monotonic() * FASTER,
+                                          perf_counter=time.perf_counter)
     runpy.run_module("pretrain.train", run_name="__main__")
 
 

@@ -19,13 +19,13 @@ import torch
 
 import model_providers.glm5.model.provider as provider
 import pretrain.reliability.faults as faults
-import pretrain.loop as loop
+import pretrain.step as one_step
 
 
 def main() -> None:
     mutation = sys.argv.pop(1)
     if mutation == "batch_on_host":
-        loop.to_device = lambda batch: batch
+        one_step.to_device = lambda batch: batch
     elif mutation == "host_collective":
         faults.current_device = lambda: torch.device("cpu")
     elif mutation == "host_parameter":

@@ -2,7 +2,7 @@
 training entry point (in a :mod:`.rank_pool` job: ``run_train(..., digest_dir=DIR)``).
 
 The training code keeps no inspection state: :func:`install` wraps the ``select_topk`` that
-``model_providers.glm5.model.dsa.attention`` calls and ``loop.train_step`` (for the step number);
+``model_providers.glm5.model.dsa.attention`` calls and ``pretrain.step.train_step`` (for the step number);
 inside :func:`recording` each rank writes ``DIR/rank<r>.json``: ``{step: [row digests]}``. A row
 digest hashes the layer, the query's global position and the set of visible keys it selected; a
 step's digests are a set, so the union over ranks is the same for any data, tensor, context or
@@ -53,12 +53,12 @@ def install() -> None:
     import torch.distributed as dist
 
     from model_providers.glm5.model.dsa import attention
-    from pretrain import loop
+    from pretrain import step as one_step
 
     if getattr(attention.select_topk, "records_topk", False):
         return
     current = {"step": None, "layer": 0}
-    select, forward, train_step = attention.select_topk, attention.DSACoreAttention.forward, loop.train_step
+    select, forward, train_step = attention.select_topk, attention.DSACoreAttention.forward, one_step.train_step
 
     def recording_select(q, k, w, topk, chunk, dtype="fp32", first=0, layout=None, *args, **kwargs):
         idx, valid = select(q, k, w, topk, chunk, dtype, first, layout, *args, **kwargs)
@@ -91,7 +91,7 @@ def install() -> None:
     recording_select.records_topk = True
     attention.select_topk = recording_select
     attention.DSACoreAttention.forward = forward_noting_layer
-    loop.train_step = step_recorded
+    one_step.train_step = step_recorded
 
 
 def read(digest_dir) -> dict[int, frozenset]:

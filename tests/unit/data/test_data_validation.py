@@ -14,7 +14,7 @@ import torch
 from data_pipeline.batches import micro_batch_samples, micro_batches
 from data_pipeline.build import build_datasets
 from data_pipeline.config import DataConfigError
-from pretrain.loop import lm_loss_func, validation_metrics, with_sample_sums
+from pretrain.step import lm_loss_func, validation_metrics, with_sample_sums
 from pretrain.reporting.metrics import category_losses
 from tests.support.launch import read_metrics, run_train
 from tests.support.data import default_data_cfg

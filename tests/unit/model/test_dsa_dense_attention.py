@@ -144,12 +144,12 @@ def test_host_document_ids_of_another_micro_batch_are_refused():
 
 def test_the_training_step_hands_over_the_host_copy(monkeypatch):
     """forward_step passes the data loader's host ids with the device ones: no copy at all."""
-    from pretrain import loop
+    from pretrain import step as one_step
 
     host = {"tokens": torch.zeros(1, 128, dtype=torch.long), "position_ids": torch.zeros(1, 128, dtype=torch.long),
             "labels": torch.zeros(1, 128, dtype=torch.long), "loss_mask": torch.ones(1, 128),
             "document_ids": _documents([50, 78])}
-    monkeypatch.setattr(loop, "to_device", lambda batch: {k: v.clone() for k, v in batch.items()})
+    monkeypatch.setattr(one_step, "to_device", lambda batch: {k: v.clone() for k, v in batch.items()})
     seen = []
 
     def model(tokens, position_ids, attention_mask, *, labels, loss_mask, micro_batch):
@@ -157,7 +157,7 @@ def test_the_training_step_hands_over_the_host_copy(monkeypatch):
             seen.append((attention_mask, micro_batch.document_ids, host_document_ids(attention_mask)))
         return torch.zeros(1, 128)
 
-    loop.forward_step(iter([host]), model)
+    one_step.forward_step(iter([host]), model)
     (device_ids, held, host_ids), = seen
     assert held is device_ids and device_ids is not host["document_ids"]
     assert host_ids is host["document_ids"]
