@@ -44,6 +44,7 @@ class ParallelConfig:
     overlap_param_gather: bool = False  #: distributed optimizer: param all-gather during forward
     overlap_moe_expert_parallel_comm: bool = False  #: EP all-to-all hidden behind another micro-batch
     delay_wgrad_compute: bool = False  #: with the above: expert wgrad after the dispatch backward
+    high_priority_a2a_comm_stream: bool = False  #: with the above: its all-to-all stream at CUDA high priority
     tp_comm_overlap: bool = False  #: TE userbuffers: TP all-gather / reduce-scatter overlapped with GEMMs
     #: without CUDA: ``plain`` maps CUDA to the CPU; ``strict`` also tracks which tensors would
     #: live on the GPU and fails where CUDA would (host tensor mixed in, host tensor handed to an

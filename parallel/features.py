@@ -20,7 +20,7 @@ TRANSFORMER_FIELDS = (
     "moe_token_dispatcher_type", "moe_flex_dispatcher_backend", "moe_permute_fusion",
     "moe_router_fusion", "cross_entropy_loss_fusion", "apply_rope_fusion", "bias_activation_fusion",
     "gradient_accumulation_fusion", "overlap_moe_expert_parallel_comm", "delay_wgrad_compute",
-    "tp_comm_overlap",
+    "high_priority_a2a_comm_stream", "tp_comm_overlap",
 )
 #: ... that are megatron DistributedDataParallelConfig fields
 DDP_FIELDS = ("overlap_grad_reduce", "overlap_param_gather")
@@ -63,6 +63,11 @@ def check_features(par, model, dtype: str) -> list[str]:
                  "(megatron's bucketed, overlapped gradient buffers)")
     if par.delay_wgrad_compute and not par.overlap_moe_expert_parallel_comm:
         p.append("parallel.delay_wgrad_compute=true needs parallel.overlap_moe_expert_parallel_comm=true")
+    if par.high_priority_a2a_comm_stream and not par.overlap_moe_expert_parallel_comm:
+        # megatron reads it only where the combined 1F1B schedule makes its communication stream
+        # (pipeline_parallel/combined_1f1b.py): elsewhere it would be accepted and do nothing
+        p.append("parallel.high_priority_a2a_comm_stream=true needs parallel.overlap_moe_expert_parallel_comm=true "
+                 "(it is the priority of that overlap's all-to-all stream; without it the flag does nothing)")
     if par.overlap_moe_expert_parallel_comm:
         p += _ep_overlap_problems(par, model, dtype)
     return p

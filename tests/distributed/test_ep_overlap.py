@@ -6,6 +6,10 @@ PP2 x VPP2 in bf16 (megatron allows the overlap only in bf16 / fp16) with select
 under the strict CUDA emulation: bit for bit with one MTP step, and with GLM-5's shared MTP
 module applied 3 times up to the order its three gradients are summed in.
 
+The overlapped runs also ask for megatron's high-priority all-to-all stream
+(``parallel.high_priority_a2a_comm_stream``: created through the CPU emulation's
+``torch.cuda.Stream.priority_range``; a stream priority changes no result).
+
 It fails without either of ``megatron_compat.schedule_plan``'s adaptations: without the
 micro-batch bound to the plan's nodes the attention refuses to run outside one; without the MTP
 depths collected as the nodes' own leaves the second depth's backward runs through a freed graph.
@@ -25,8 +29,10 @@ def _plain_and_overlapped(root, mtp_steps: int):
     runs = {}
     for overlap in (False, True):
         run_dir = root / f"mtp{mtp_steps}_overlap_{overlap}"
+        on = str(overlap).lower()  # the overlapped run's all-to-all stream at high priority too
         summary = run_train([*LAYOUT, f"model.mtp_num_steps={mtp_steps}", f"trainer.run_dir={run_dir}",
-                             f"parallel.overlap_moe_expert_parallel_comm={str(overlap).lower()}"], nproc=4)
+                             f"parallel.overlap_moe_expert_parallel_comm={on}",
+                             f"parallel.high_priority_a2a_comm_stream={on}"], nproc=4)
         assert summary["steps"] == 3, summary
         runs[overlap] = read_metrics(str(run_dir))
     plain, overlapped = runs[False], runs[True]

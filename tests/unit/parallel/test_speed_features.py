@@ -48,6 +48,8 @@ REFUSED = [  # (layout fields, model fields, precision, our message, megatron's)
     (dict(delay_wgrad_compute=True), {}, BF16,
      "parallel.delay_wgrad_compute=true needs parallel.overlap_moe_expert_parallel_comm=true",
      "overlap_moe_expert_parallel_comm must be enabled"),
+    (dict(high_priority_a2a_comm_stream=True), {}, BF16,
+     "parallel.high_priority_a2a_comm_stream=true needs parallel.overlap_moe_expert_parallel_comm=true", None),
     (dict(apply_rope_fusion=True), {}, BF16,
      "parallel.apply_rope_fusion=true needs model.rope_type=yarn (got rope)", "only works with YARN"),
     (dict(apply_rope_fusion=True), dict(rope_type="yarn", qk_nope_head_dim=192, v_head_dim=256), BF16,
@@ -84,12 +86,14 @@ def test_ep_overlap_validates_where_megatron_allows_it():
     delayed wgrad needs Transformer Engine's grouped GEMM, which only the machine check asks for."""
     model = dataclasses.replace(MOE, recompute="selective", recompute_modules=["mla_up_proj"])
     assert model.mtp_num_steps == 3
-    par = ParallelConfig(overlap_moe_expert_parallel_comm=True, delay_wgrad_compute=True, **EP2)
+    par = ParallelConfig(overlap_moe_expert_parallel_comm=True, delay_wgrad_compute=True,
+                         high_priority_a2a_comm_stream=True, **EP2)
     assert _problems(par, model) == []
     assert machine_problems(par, BF16, OptimizerConfig(), cuda=False) == [
         "parallel.delay_wgrad_compute=true needs CUDA and Transformer Engine grouped GEMM (this machine has no CUDA)"]
     tcfg = to_transformer_config(model, par, BF16)
     assert tcfg.overlap_moe_expert_parallel_comm and tcfg.delay_wgrad_compute and tcfg.mtp_num_layers == 1
+    assert tcfg.high_priority_a2a_comm_stream
 
 
 def test_megatron_takes_every_feature_field_under_its_own_name():
