@@ -42,7 +42,7 @@ def test_the_glm5_recipe_sets_every_part_and_overrides_still_win():
     over = to_run_config(compose(["recipe=glm5_744b_h200x512", "parallel=glm5_h100_1024gpu", "model.num_layers=10",
                                   "cluster.nodes=32", "precision=fp32"]))
     assert (over.model.num_layers, over.parallel.tp, over.parallel.ep, over.cluster.nodes, over.precision.dtype) \
-        == (10, 8, 32, 32, "fp32")
+        == (10, 4, 32, 32, "fp32")
 
 
 def test_the_planner_plans_for_the_recipes_cluster_unless_told_another():
