@@ -24,8 +24,8 @@ def run_train(overrides: list[str], nproc: int = 1, timeout: int = 3600) -> dict
     fails."""
     own_stages = any(o.startswith("curriculum=") for o in overrides)
     argv = [*OFFLINE, *([] if own_stages else ONE_STAGE), *overrides]
-    launch = [sys.executable] if nproc == 1 else [
-        sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--master-port={free_port()}"]
+    launch = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run",
+                                                  f"--nproc-per-node={nproc}", f"--master-port={free_port()}"]
     env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1" if nproc > 1 else
                os.environ.get("OMP_NUM_THREADS", str(os.cpu_count() or 1)))
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):

@@ -1,10 +1,11 @@
-"""``python -m planner [recipe=NAME] [run overrides] [cluster=NAME] [cluster.FIELD=V] [--search] [plan.json=PATH]``
+"""``python -m planner [recipe=NAME] [run overrides] [cluster=NAME] [cluster.FIELD=V] [--search]
+[plan.json=PATH]``
 
-Sizes every curriculum stage of a run on a named cluster (``cluster=NAME``, else the recipe's) before anything is allocated: memory per
-pipeline rank (weights, grads, main params, optimizer state, activations, the optimizer step),
-FLOPs per token, estimated step time, tokens/s/GPU, MFU and GPU-hours. ``--search`` ranks the
-layouts that validate and fit for each stage by estimated step time and prints the winner's
-overrides. Exit status: 0 every stage validates and fits, 1 a stage does not fit, 2 bad input.
+Sizes every curriculum stage of a run on a named cluster (``cluster=NAME``, else the recipe's)
+before anything is allocated: memory per pipeline rank (weights, grads, main params, optimizer
+state, activations, the optimizer step), FLOPs per token, estimated step time, tokens/s/GPU, MFU
+and GPU-hours. ``--search`` ranks the layouts that validate and fit for each stage by estimated
+step time and prints the winner's overrides. Exit status: 0 every stage validates and fits, 1 a stage does not fit, 2 bad input.
 """
 
 from __future__ import annotations
@@ -20,8 +21,8 @@ import sys
 
 from pretrain.config.errors import ConfigError
 
-USAGE = ("usage: python -m planner [recipe=NAME] [run overrides ...] [cluster=NAME] [cluster.FIELD=VALUE ...] "
-         "[--search] [--stage NAME] [plan.json=PATH] [plan.min_headroom=0.1]")
+USAGE = ("usage: python -m planner [recipe=NAME] [run overrides ...] [cluster=NAME] "
+         "[cluster.FIELD=VALUE ...] [--search] [--stage NAME] [plan.json=PATH] [plan.min_headroom=0.1]")
 
 
 def split_arguments(argv: list[str]) -> dict:
@@ -110,16 +111,17 @@ def resolve_run(overrides: list[str], world_size: int, cfg=None):
 
 
 def cluster_to_plan(args: dict, cfg) -> tuple[str, dict]:
-    """(preset name, field overrides): the command line's cluster=NAME and cluster.FIELD=V, else
-    the run config's cluster (a recipe's: cluster.name, cluster.nodes)."""
+    """(preset name, field overrides): the run config's cluster -- a recipe's, or the command
+    line's cluster=NAME / cluster.nodes=N, which :func:`split_arguments` passes to it -- and the
+    command line's other cluster.FIELD=V."""
     from planner.cluster import preset_names
 
-    name = args["cluster"] or cfg.cluster.name
+    name = cfg.cluster.name
     if name is None:
         raise ConfigError("bad planner arguments", [f"cluster=NAME or a recipe=NAME is required (cluster "
                                                     f"presets: {', '.join(preset_names())})"])
     fields = dict(args["cluster_overrides"])
-    if "nodes" not in fields and cfg.cluster.nodes is not None:
+    if cfg.cluster.nodes is not None:
         fields["nodes"] = cfg.cluster.nodes
     return name, fields
 
@@ -150,7 +152,8 @@ def main(argv: list[str]) -> int:
         return 2
     headroom = MIN_HEADROOM if args["min_headroom"] is None else args["min_headroom"]
     chosen = [s for s in stages if args["stage"] in (None, s.name)]
-    print(f"plan: {' '.join(o for o in args['overrides'] if not o.startswith('cluster.')) or '(defaults)'} on {cluster.name}: {cluster.nodes} nodes x "
+    shown = " ".join(o for o in args["overrides"] if not o.startswith("cluster.")) or "(defaults)"
+    print(f"plan: {shown} on {cluster.name}: {cluster.nodes} nodes x "
           f"{cluster.gpus_per_node} GPUs = {world} ({cluster.gpu_memory_gib:g} GiB, "
           f"{cluster.bf16_tflops:g} bf16 TFLOP/s each); a stage fits with >= {headroom:.0%} of memory free")
     plans = [plan_stage(s.name, s.steps, s.rc, world, cluster, headroom, s.trainable) for s in chosen]

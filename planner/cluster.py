@@ -18,7 +18,6 @@ from pretrain.config.errors import ConfigError
 from pretrain.config.numbers import Rule, count, non_negative, positive, table_problems
 
 
-
 @dataclass
 class ClusterConfig:
     """One cluster. Bandwidths are GB/s (10^9 bytes per second) per GPU and per direction."""

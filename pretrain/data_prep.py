@@ -242,8 +242,9 @@ def _plan(overrides: list[str], plan_run):
     from pretrain.config.command_line import resolve
 
     rc, _, changes = resolve(compose(overrides), overrides)
-    if cluster_world(rc.cluster):
-        return rc, plan_run(rc, cluster_world(rc.cluster), changes)
+    world = cluster_world(rc.cluster)
+    if world:
+        return rc, plan_run(rc, world, changes)
     world = 1
     for st in plan(rc)[0]:
         p = st.rc.parallel

@@ -65,10 +65,10 @@ def run_stage(stage: Stage, how: str, latest: Optional[str], ctx: RunContext,
             raise RuntimeError(why)
     elif how == "carry":
         weights = latest
-    built = build_stage(rc, ctx.backend, stage.trainable, stage.steps,
-                        load_weights=None if weights is None else (lambda chunks: checkpoint.load(weights, chunks)))
-    tcfg, chunks, ddp, optimizer, scheduler = built.tcfg, built.chunks, built.ddp, built.optimizer, built.scheduler
-    probe = configure_model_hooks(tcfg, ddp, optimizer)
+    load = None if weights is None else (lambda chunks: checkpoint.load(weights, chunks))
+    built = build_stage(rc, ctx.backend, stage.trainable, stage.steps, load_weights=load)
+    chunks, ddp, optimizer, scheduler = built.chunks, built.ddp, built.optimizer, built.scheduler
+    probe = configure_model_hooks(built.tcfg, ddp, optimizer)
 
     if how == "resume":
         state = checkpoint.load(latest, chunks, optimizer, scheduler)

@@ -47,12 +47,9 @@ def cluster_problems(choice: ClusterChoice, world_size: int) -> list[str]:
             f"({', '.join(names)})"]
     if choice.name not in names:
         return [f"cluster.name={choice.name!r} is not a preset in {CLUSTER_DIR} ({', '.join(names)})"]
-    if choice.nodes is None:
+    want = cluster_world(choice)
+    if want is None or world_size == want:
         return []
-    per_node = gpus_per_node(choice.name)
-    want = choice.nodes * per_node
-    if world_size == want:
-        return []
-    return [f"cluster.nodes={choice.nodes} x {per_node} GPUs per node ({choice.name}) is {want} ranks, "
-            f"this launch has {world_size}: submit it with sbatch --nodes={choice.nodes}, or set cluster.nodes "
-            f"to the nodes it runs on (with a layout for that size)"]
+    return [f"cluster.nodes={choice.nodes} x {want // choice.nodes} GPUs per node ({choice.name}) is {want} "
+            f"ranks, this launch has {world_size}: submit it with sbatch --nodes={choice.nodes}, or set "
+            f"cluster.nodes to the nodes it runs on (with a layout for that size)"]

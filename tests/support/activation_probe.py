@@ -5,8 +5,8 @@ parallel layouts of the launch's world size) in one launch.
 BASE is a string of Hydra overrides (space-separated), composed once; each CASE a string of
 ``key=value`` fields set on top (``parallel.cp=2 trainer.seq_length=512 model.recompute=full``).
 Per case every rank builds the model as ``pretrain.stage`` does (``pretrain.stage_build``:
-provider, DSA mode, recompute, megatron DDP and optimizer) and runs ``pretrain.one_step.train_step`` on synthetic tokens;
-the step's forward-backward schedule runs under :class:`LiveTensorBytes`, which counts the bytes
+provider, DSA mode, recompute, megatron DDP and optimizer) and runs ``pretrain.step.train_step``
+on synthetic tokens; the step's forward-backward schedule runs under :class:`LiveTensorBytes`, which counts the bytes
 of every tensor storage created meanwhile for as long as it lives. Its peak is the step's peak
 live bytes minus those live at its start (weights, grad buffers, optimizer state are not
 counted); the optimizer update after the schedule is skipped. Rank 0 writes

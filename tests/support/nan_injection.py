@@ -2,8 +2,8 @@
 
     python -m tests.support.nan_injection --nan-at-steps=2,5,6 [hydra overrides]
 
-The training code has no fault hook: this launcher wraps ``pretrain.one_step.train_step`` and, during
-the chosen steps, ``pretrain.one_step.lm_loss_func`` so that the per-token losses it receives are NaN.
+The training code has no fault hook: this launcher wraps ``pretrain.step.train_step`` and, during
+the chosen steps, ``pretrain.step.lm_loss_func`` so that the per-token losses it receives are NaN.
 The NaN then takes the real path: LM loss -> backward -> non-finite gradients -> skipped step and
 the reload policy. The step number is taken from the data position (``consumed_samples`` /
 global batch + 1), which keeps counting through skipped steps, reloads and resumes, so it is

@@ -51,7 +51,7 @@ def test_the_planner_plans_for_the_recipes_cluster_unless_told_another():
         return cluster_to_plan(args, compose(args["overrides"]))
 
     assert planned("recipe=glm5_744b_h200x512") == ("h200_141gb", {"nodes": 64})
-    assert planned("recipe=glm5_744b_h200x512", "cluster.nodes=32") == ("h200_141gb", {"nodes": "32"})
+    assert planned("recipe=glm5_744b_h200x512", "cluster.nodes=32") == ("h200_141gb", {"nodes": 32})
     assert planned("recipe=glm5_744b_h200x512", "cluster=b200_180gb") == ("b200_180gb", {"nodes": 64})
     # the run config takes the cluster planned for, so the run validates at the planned size
     args = split_arguments(["recipe=glm5_744b_h200x512", "cluster=b200_180gb", "cluster.nodes=32"])
